@@ -1,0 +1,162 @@
+// Scale policies and the quantizer's output layouts (DESIGN §2, §3).
+//
+// The CPU quantizer here is the bit-exact oracle of the GPU quantizer: both write the same arrays.
+//
+// Layouts, for an operand with T tokens, H heads, head dim D and Tp = T rounded up to
+// kTokenPadding (so every row of a transposed copy starts 16-byte aligned, as TMA needs):
+//   codes              [T][H][D]    E4M3, the head dim contiguous (K-major for products over D:
+//                                   S = Q K^T, dP = dO V^T)
+//   codes_t            [H][D][Tp]   E4M3, tokens contiguous (K-major for products over tokens:
+//                                   O = P V uses V^T, dV = P^T dO uses dO^T, dQ = dS K uses K^T,
+//                                   dK = dS^T Q uses Q^T); padding tokens hold code 0
+//   exponents          [H][Tp]      UE8M0, one per token and head; a block policy repeats its
+//                                   block's exponent on every token of the block; padding 127
+//   channel_exponents  [T][H][D]    UE8M0, vgroup16's V only (one exponent per document-local
+//                                   16-key group and channel, repeated on each key)
+//   NVFP4 (Q and K of the nvfp4-mixed recipe):
+//     packed           [T][H][D/2]  E2M1 pairs, element 2i in the low nibble
+//     local_scales     [T][H][D/16] positive E4M3, rounded up
+//     exponents        [H][Tp]      UE8M0 token scale
+// Value of an E4M3 element: decode(code) * 2^(exponent - 127). NVFP4: e2m1(code) * e4m3(local) *
+// 2^(exponent - 127).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flamia/formats.h"
+#include "flamia/packed.h"
+
+namespace flamia {
+
+enum class ScalePolicy {
+  kToken,     // one exponent per token and head over the head dim (default; causally isolated)
+  kBlock32,   // FLAMIA geometry: document-local 32-token blocks x head dim
+  kTensor,    // one exponent per tensor (baseline)
+  kFloor,     // block32 geometry with the floor-rounded exponent, which can clamp (baseline)
+  kVGroup16,  // V: document-local 16-key groups per channel; Q, K, dO per token (baseline)
+};
+constexpr ScalePolicy kAllScalePolicies[] = {ScalePolicy::kToken, ScalePolicy::kBlock32,
+                                             ScalePolicy::kTensor, ScalePolicy::kFloor,
+                                             ScalePolicy::kVGroup16};
+const char* to_string(ScalePolicy p);
+ScalePolicy parse_scale_policy(const std::string& name);  // throws Error listing the valid names
+
+constexpr int kBlockTokens = 32;
+constexpr int kVGroupTokens = 16;
+constexpr int kNvfp4GroupSize = 16;
+constexpr int kTokenPadding = 16;
+constexpr float kNvfp4TokenMax = e2m1::kMax * e4m3::kMax;  // token scale keeps local scales <= 448
+constexpr uint8_t kPaddingExponentCode = uint8_t(kZeroGroupExponent + ue8m0::kBias);
+
+enum class Operand { kQ = 0, kK = 1, kV = 2, kDO = 3 };
+constexpr int kNumOperands = 4;
+const char* to_string(Operand op);
+
+// Index arithmetic of the layouts above (usable from device code).
+struct QuantLayout {
+  int64_t tokens = 0;
+  int64_t tokens_padded = 0;
+  int heads = 0;
+  int dim = 0;
+
+  static QuantLayout make(int64_t tokens, int heads, int dim) {
+    return {tokens, (tokens + kTokenPadding - 1) / kTokenPadding * kTokenPadding, heads, dim};
+  }
+  FLAMIA_HD int64_t code(int64_t t, int h, int d) const { return (t * heads + h) * dim + d; }
+  FLAMIA_HD int64_t code_t(int h, int d, int64_t t) const {
+    return (int64_t(h) * dim + d) * tokens_padded + t;
+  }
+  FLAMIA_HD int64_t exponent(int h, int64_t t) const { return int64_t(h) * tokens_padded + t; }
+  FLAMIA_HD int64_t nvfp4_byte(int64_t t, int h, int d) const {
+    return (t * heads + h) * (dim / 2) + d / 2;
+  }
+  FLAMIA_HD int64_t nvfp4_scale(int64_t t, int h, int d) const {
+    return (t * heads + h) * (dim / kNvfp4GroupSize) + d / kNvfp4GroupSize;
+  }
+  int64_t num_codes() const { return tokens * heads * dim; }
+  int64_t num_codes_t() const { return int64_t(heads) * dim * tokens_padded; }
+  int64_t num_exponents() const { return int64_t(heads) * tokens_padded; }
+};
+
+struct E4M3Operand {
+  QuantLayout layout;
+  std::vector<uint8_t> codes;
+  std::vector<uint8_t> codes_t;  // empty unless QuantizeOptions::transposed
+  std::vector<uint8_t> exponents;
+  std::vector<uint8_t> channel_exponents;  // vgroup16's V only
+
+  int exponent(int64_t t, int h, int d) const {
+    return channel_exponents.empty() ? ue8m0::exponent(exponents[layout.exponent(h, t)])
+                                     : ue8m0::exponent(channel_exponents[layout.code(t, h, d)]);
+  }
+  float value(int64_t t, int h, int d) const {
+    return e4m3::decode(codes[layout.code(t, h, d)]) * exp2i(exponent(t, h, d));
+  }
+};
+
+struct Nvfp4Operand {
+  QuantLayout layout;
+  std::vector<uint8_t> packed;
+  std::vector<uint8_t> local_scales;
+  std::vector<uint8_t> exponents;
+
+  uint8_t code(int64_t t, int h, int d) const {
+    uint8_t byte = packed[layout.nvfp4_byte(t, h, d)];
+    return (d & 1) ? uint8_t(byte >> 4) : uint8_t(byte & 0xF);
+  }
+  // e2m1 * local scale: exact in BF16 (at most 5 significant bits), the operand the Hopper path
+  // feeds to a BF16 MMA; the token scale is applied outside the product.
+  float unscaled_value(int64_t t, int h, int d) const {
+    return e2m1::decode(code(t, h, d)) * e4m3::decode(local_scales[layout.nvfp4_scale(t, h, d)]);
+  }
+  int exponent(int64_t t, int h) const { return ue8m0::exponent(exponents[layout.exponent(h, t)]); }
+  float value(int64_t t, int h, int d) const {
+    return unscaled_value(t, h, d) * exp2i(exponent(t, h));
+  }
+};
+
+// First non-finite input element of each operand, as a flat index (t * H + h) * D + d, or -1.
+struct NonFiniteReport {
+  std::array<int64_t, kNumOperands> first_index{-1, -1, -1, -1};
+  std::array<QuantLayout, kNumOperands> layouts{};
+
+  bool any() const;
+  // "non-finite input in K at token 17, head 3, dim 5" for the first operand (Q, K, V, dO order)
+  // with one; empty when all are finite.
+  std::string message() const;
+  void throw_if_any() const;
+};
+
+struct QuantizeOptions {
+  ScalePolicy policy = ScalePolicy::kToken;
+  bool hadamard = false;   // rotate Q and K along the head dim before quantizing
+  bool transposed = true;  // write codes_t (the backward's and PV's K-major copies)
+  bool nvfp4_qk = false;   // also write NVFP4 Q and K
+};
+
+// BF16 inputs (raw bits). dout.data may be null (forward only): then dout stays empty.
+struct AttentionInputs {
+  PackedLayout layout;
+  TokenTensor<const uint16_t> q, k, v, dout;
+};
+
+struct QuantizedAttention {
+  E4M3Operand q, k, v, dout;
+  Nvfp4Operand q4, k4;  // empty unless QuantizeOptions::nvfp4_qk
+  NonFiniteReport non_finite;
+
+  const E4M3Operand& operand(Operand op) const;
+};
+
+// Validates the layout and views (throws Error), then quantizes. Non-finite inputs do not throw:
+// they are reported in non_finite, counted as 0 in every scale, and written as code 0, so they
+// cannot reach other tokens through a scale or a masked MMA lane.
+QuantizedAttention quantize_cpu(const AttentionInputs& in, const QuantizeOptions& options);
+
+// The scale geometry of `policy` for operand `op` (vgroup16 changes V only).
+ScalePolicy effective_policy(ScalePolicy policy, Operand op);
+
+}  // namespace flamia

@@ -1,0 +1,35 @@
+// CUDA error checking for host code: every runtime/driver call goes through one of these, and a
+// failure becomes a flamia::Error naming the call, the file and line, and CUDA's message.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "flamia/common.h"
+
+namespace flamia::cuda {
+
+[[noreturn]] inline void fail(const char* expr, const char* file, int line, const char* what) {
+  throw Error(std::string("CUDA error in ") + expr + " at " + file + ":" + std::to_string(line) +
+              ": " + what);
+}
+
+inline void check(cudaError_t e, const char* expr, const char* file, int line) {
+  if (e != cudaSuccess) fail(expr, file, line, cudaGetErrorString(e));
+}
+
+inline void check(CUresult r, const char* expr, const char* file, int line) {
+  if (r != CUDA_SUCCESS) {
+    const char* msg = nullptr;
+    cuGetErrorString(r, &msg);
+    fail(expr, file, line, msg ? msg : "unknown driver error");
+  }
+}
+
+}  // namespace flamia::cuda
+
+#define FLAMIA_CUDA_CHECK(expr) ::flamia::cuda::check((expr), #expr, __FILE__, __LINE__)
+// After a kernel launch: launch-configuration errors now, execution errors at the next sync.
+#define FLAMIA_CUDA_CHECK_LAUNCH() FLAMIA_CUDA_CHECK(cudaGetLastError())

@@ -1,0 +1,317 @@
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "flamia/hadamard.h"
+#include "flamia/quantize.h"
+
+namespace flamia {
+
+const char* to_string(ScalePolicy p) {
+  switch (p) {
+    case ScalePolicy::kToken:
+      return "token";
+    case ScalePolicy::kBlock32:
+      return "block32";
+    case ScalePolicy::kTensor:
+      return "tensor";
+    case ScalePolicy::kFloor:
+      return "floor";
+    case ScalePolicy::kVGroup16:
+      return "vgroup16";
+  }
+  return "?";
+}
+
+ScalePolicy parse_scale_policy(const std::string& name) {
+  for (ScalePolicy p : kAllScalePolicies)
+    if (name == to_string(p)) return p;
+  throw Error("unknown scale policy '" + name +
+              "' (valid: token, block32, tensor, floor, vgroup16)");
+}
+
+const char* to_string(Operand op) {
+  switch (op) {
+    case Operand::kQ:
+      return "Q";
+    case Operand::kK:
+      return "K";
+    case Operand::kV:
+      return "V";
+    case Operand::kDO:
+      return "dO";
+  }
+  return "?";
+}
+
+ScalePolicy effective_policy(ScalePolicy policy, Operand op) {
+  if (policy == ScalePolicy::kVGroup16 && op != Operand::kV) return ScalePolicy::kToken;
+  return policy;
+}
+
+bool NonFiniteReport::any() const {
+  return std::any_of(first_index.begin(), first_index.end(), [](int64_t i) { return i >= 0; });
+}
+
+std::string NonFiniteReport::message() const {
+  for (int op = 0; op < kNumOperands; ++op) {
+    int64_t i = first_index[op];
+    if (i < 0) continue;
+    const QuantLayout& l = layouts[op];
+    std::ostringstream os;
+    os << "non-finite input in " << to_string(Operand(op)) << " at token " << i / (l.heads * l.dim)
+       << ", head " << (i / l.dim) % l.heads << ", dim " << i % l.dim;
+    return os.str();
+  }
+  return {};
+}
+
+void NonFiniteReport::throw_if_any() const {
+  if (any()) throw Error(message());
+}
+
+const E4M3Operand& QuantizedAttention::operand(Operand op) const {
+  switch (op) {
+    case Operand::kQ:
+      return q;
+    case Operand::kK:
+      return k;
+    case Operand::kV:
+      return v;
+    case Operand::kDO:
+      break;
+  }
+  return dout;
+}
+
+namespace {
+
+// Reads one (token, head) row as floats: non-finite values become 0 (and are reported), then the
+// optional rotation.
+struct RowReader {
+  TokenTensor<const uint16_t> view;
+  int dim;
+  bool rotate;
+
+  // Returns the flat index of the first non-finite element of the row, or -1.
+  int64_t load(int64_t t, int h, int heads, float* out) const {
+    int64_t bad = -1;
+    const uint16_t* row = &view.at(t, h, 0);
+    for (int d = 0; d < dim; ++d) {
+      float x = bf16::decode(row[d]);
+      if (!is_finite_float(x)) {
+        if (bad < 0) bad = (t * heads + h) * dim + d;
+        x = 0.0f;
+      }
+      out[d] = x;
+    }
+    if (rotate) hadamard_rotate(out, dim);
+    return bad;
+  }
+};
+
+float row_amax(const float* x, int n) {
+  float m = 0.0f;
+  for (int i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+
+int exponent_for(ScalePolicy policy, float amax) {
+  return policy == ScalePolicy::kFloor ? scale_exponent_floor(amax)
+                                       : scale_exponent_up(amax, e4m3::kMax);
+}
+
+// Per-(token, head) amax rows and the first non-finite index of the operand.
+struct RowStats {
+  std::vector<float> amax;  // [T][H]
+  int64_t first_bad = -1;
+};
+
+RowStats collect_row_amax(const RowReader& reader, int64_t tokens, int heads) {
+  RowStats s;
+  s.amax.assign(size_t(tokens * heads), 0.0f);
+  std::vector<int64_t> bad(size_t(tokens * heads), -1);
+#pragma omp parallel
+  {
+    std::vector<float> buf(reader.dim);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < tokens * heads; ++r) {
+      bad[r] = reader.load(r / heads, int(r % heads), heads, buf.data());
+      s.amax[r] = row_amax(buf.data(), reader.dim);
+    }
+  }
+  for (int64_t b : bad)
+    if (b >= 0) {
+      s.first_bad = b;
+      break;
+    }
+  return s;
+}
+
+// Exponent of every (token, head) row under a token-geometry policy.
+std::vector<int> row_exponents(ScalePolicy policy, const RowStats& stats, const PackedLayout& pl,
+                               int heads) {
+  std::vector<int> e(stats.amax.size());
+  switch (policy) {
+    case ScalePolicy::kToken:
+    case ScalePolicy::kVGroup16:
+      for (size_t r = 0; r < e.size(); ++r) e[r] = exponent_for(policy, stats.amax[r]);
+      break;
+    case ScalePolicy::kTensor: {
+      float m = 0.0f;
+      for (float a : stats.amax) m = std::max(m, a);
+      std::fill(e.begin(), e.end(), exponent_for(policy, m));
+      break;
+    }
+    case ScalePolicy::kBlock32:
+    case ScalePolicy::kFloor:
+      for (int b = 0; b < pl.num_docs; ++b) {
+        for (int64_t s = pl.doc_begin(b); s < pl.cu_seqlens[b + 1]; s += kBlockTokens) {
+          int64_t end = std::min<int64_t>(s + kBlockTokens, pl.cu_seqlens[b + 1]);
+          for (int h = 0; h < heads; ++h) {
+            float m = 0.0f;
+            for (int64_t t = s; t < end; ++t) m = std::max(m, stats.amax[t * heads + h]);
+            int ex = exponent_for(policy, m);
+            for (int64_t t = s; t < end; ++t) e[t * heads + h] = ex;
+          }
+        }
+      }
+      break;
+  }
+  return e;
+}
+
+// vgroup16: one exponent per (document-local 16-token group, head, channel).
+std::vector<uint8_t> vgroup_channel_exponents(const RowReader& reader, const PackedLayout& pl,
+                                              int heads) {
+  const int dim = reader.dim;
+  std::vector<uint8_t> ce(size_t(pl.tokens * heads * dim));
+  std::vector<float> buf(dim), amax(dim);
+  for (int b = 0; b < pl.num_docs; ++b) {
+    for (int64_t s = pl.doc_begin(b); s < pl.cu_seqlens[b + 1]; s += kVGroupTokens) {
+      int64_t end = std::min<int64_t>(s + kVGroupTokens, pl.cu_seqlens[b + 1]);
+      for (int h = 0; h < heads; ++h) {
+        std::fill(amax.begin(), amax.end(), 0.0f);
+        for (int64_t t = s; t < end; ++t) {
+          reader.load(t, h, heads, buf.data());
+          for (int d = 0; d < dim; ++d) amax[d] = std::max(amax[d], std::fabs(buf[d]));
+        }
+        for (int64_t t = s; t < end; ++t)
+          for (int d = 0; d < dim; ++d)
+            ce[(t * heads + h) * dim + d] =
+                ue8m0::from_exponent(scale_exponent_up(amax[d], e4m3::kMax));
+      }
+    }
+  }
+  return ce;
+}
+
+E4M3Operand quantize_e4m3(const RowReader& reader, const PackedLayout& pl, int heads,
+                          ScalePolicy policy, bool transposed, int64_t* first_bad) {
+  E4M3Operand out;
+  out.layout = QuantLayout::make(pl.tokens, heads, reader.dim);
+  const QuantLayout& l = out.layout;
+  const int64_t rows = pl.tokens * heads;
+  RowStats stats = collect_row_amax(reader, pl.tokens, heads);
+  *first_bad = stats.first_bad;
+  std::vector<int> e = row_exponents(policy, stats, pl, heads);
+  out.exponents.assign(size_t(l.num_exponents()), kPaddingExponentCode);
+  for (int64_t r = 0; r < rows; ++r)
+    out.exponents[l.exponent(int(r % heads), r / heads)] = ue8m0::from_exponent(e[r]);
+  if (policy == ScalePolicy::kVGroup16)
+    out.channel_exponents = vgroup_channel_exponents(reader, pl, heads);
+
+  out.codes.assign(size_t(l.num_codes()), 0);
+#pragma omp parallel
+  {
+    std::vector<float> buf(l.dim);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = r / heads;
+      const int h = int(r % heads);
+      reader.load(t, h, heads, buf.data());
+      for (int d = 0; d < l.dim; ++d)
+        out.codes[l.code(t, h, d)] = e4m3_quantize(buf[d], out.exponent(t, h, d));
+    }
+  }
+  if (transposed) {
+    out.codes_t.assign(size_t(l.num_codes_t()), 0);
+    for (int64_t t = 0; t < l.tokens; ++t)
+      for (int h = 0; h < heads; ++h)
+        for (int d = 0; d < l.dim; ++d) out.codes_t[l.code_t(h, d, t)] = out.codes[l.code(t, h, d)];
+  }
+  return out;
+}
+
+// Smallest E4M3 local scale s with amax <= 6 * s * 2^e, by exact comparisons.
+uint8_t nvfp4_local_scale(float amax, int e) {
+  const float unit = exp2i(e);
+  auto covers = [&](uint8_t c) { return e4m3::decode(c) * e2m1::kMax * unit >= amax; };
+  uint8_t c = e4m3::encode_up(std::min(amax * exp2i(-e) / e2m1::kMax, e4m3::kMax));
+  while (!covers(c) && c < e4m3::kMaxCode) ++c;
+  while (c > 0 && covers(uint8_t(c - 1))) --c;
+  return c;
+}
+
+Nvfp4Operand quantize_nvfp4(const RowReader& reader, int64_t tokens, int heads) {
+  Nvfp4Operand out;
+  out.layout = QuantLayout::make(tokens, heads, reader.dim);
+  const QuantLayout& l = out.layout;
+  out.packed.assign(size_t(tokens * heads * l.dim / 2), 0);
+  out.local_scales.assign(size_t(tokens * heads * l.dim / kNvfp4GroupSize), 0);
+  out.exponents.assign(size_t(l.num_exponents()), kPaddingExponentCode);
+#pragma omp parallel
+  {
+    std::vector<float> buf(l.dim);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < tokens * heads; ++r) {
+      const int64_t t = r / heads;
+      const int h = int(r % heads);
+      reader.load(t, h, heads, buf.data());
+      const int e = scale_exponent_up(row_amax(buf.data(), l.dim), kNvfp4TokenMax);
+      out.exponents[l.exponent(h, t)] = ue8m0::from_exponent(e);
+      for (int g = 0; g < l.dim; g += kNvfp4GroupSize) {
+        const float amax = row_amax(&buf[g], kNvfp4GroupSize);
+        const uint8_t s = amax > 0.0f ? nvfp4_local_scale(amax, e) : 0;
+        out.local_scales[l.nvfp4_scale(t, h, g)] = s;
+        const float scale = e4m3::decode(s) * exp2i(e);
+        for (int d = g; d < g + kNvfp4GroupSize; ++d) {
+          const uint8_t c = s == 0 ? 0 : e2m1::encode_scaled(buf[d], scale);
+          out.packed[l.nvfp4_byte(t, h, d)] |= uint8_t((d & 1) ? c << 4 : c);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+QuantizedAttention quantize_cpu(const AttentionInputs& in, const QuantizeOptions& options) {
+  const PackedLayout& pl = in.layout;
+  validate(pl);
+  validate_view("Q", in.q, pl.tokens, pl.heads_q, pl.head_dim);
+  validate_view("K", in.k, pl.tokens, pl.heads_kv, pl.head_dim);
+  validate_view("V", in.v, pl.tokens, pl.heads_kv, pl.head_dim);
+  if (in.dout.data != nullptr) validate_view("dO", in.dout, pl.tokens, pl.heads_q, pl.head_dim);
+
+  QuantizedAttention out;
+  auto run = [&](Operand op, TokenTensor<const uint16_t> view, int heads, E4M3Operand* dst) {
+    const bool rotate = options.hadamard && (op == Operand::kQ || op == Operand::kK);
+    RowReader reader{view, pl.head_dim, rotate};
+    *dst = quantize_e4m3(reader, pl, heads, effective_policy(options.policy, op),
+                         options.transposed, &out.non_finite.first_index[int(op)]);
+    out.non_finite.layouts[int(op)] = dst->layout;
+  };
+  run(Operand::kQ, in.q, pl.heads_q, &out.q);
+  run(Operand::kK, in.k, pl.heads_kv, &out.k);
+  run(Operand::kV, in.v, pl.heads_kv, &out.v);
+  if (in.dout.data != nullptr) run(Operand::kDO, in.dout, pl.heads_q, &out.dout);
+  if (options.nvfp4_qk) {
+    out.q4 = quantize_nvfp4(RowReader{in.q, pl.head_dim, options.hadamard}, pl.tokens, pl.heads_q);
+    out.k4 = quantize_nvfp4(RowReader{in.k, pl.head_dim, options.hadamard}, pl.tokens, pl.heads_kv);
+  }
+  return out;
+}
+
+}  // namespace flamia

@@ -1,0 +1,407 @@
+// Property tests of the CPU quantizer against an independent reference: group maxima, exponents and
+// rounding recomputed here in double from the policy's definition (DESIGN §3).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "flamia/hadamard.h"
+#include "flamia/inputs.h"
+#include "flamia/quantize.h"
+#include "reference_formats.h"
+
+namespace flamia {
+namespace {
+
+// Documents of 1, 31, 32, 33 and 129 tokens at unaligned offsets, one empty, one longer.
+const std::vector<int64_t> kOddDocs = {1, 31, 0, 32, 33, 129, 77};
+
+uint16_t bf(double x) {
+  return bf16::encode(float(x));
+}
+
+// Plants the adversarial cases of DESIGN §3 into a batch: exact powers of two, maxima exactly at
+// and just above 448 * 2^e, subnormal-sized values, all-zero rows and a whole all-zero document,
+// and mixed signs.
+void plant_adversarial(AttentionBatch& b) {
+  const int D = b.head_dim;
+  auto row = [&](std::vector<uint16_t>& t, int heads, int64_t tok, int h) {
+    return &t[(tok * heads + h) * D];
+  };
+  for (auto* t : {&b.q, &b.k, &b.v, &b.dout}) {
+    const int heads = (t == &b.q || t == &b.dout) ? b.heads_q : b.heads_kv;
+    for (int d = 0; d < D; ++d) {
+      row(*t, heads, 40, 0)[d] = bf(std::ldexp(d % 2 ? -1.0 : 1.0, d % 20 - 10));  // powers of two
+      row(*t, heads, 41, 0)[d] = bf(d == 5 ? 448.0 * 8 : 0.01 * d);  // max exactly 448*2^3
+      row(*t, heads, 42, 0)[d] = bf(d == 9 ? -450.0 / 64 : 0.3);     // just above 448*2^-6
+      row(*t, heads, 43, 0)[d] = bf(std::ldexp(1.0, -133 + d % 7));  // bf16 subnormals
+      row(*t, heads, 44, 0)[d] = 0;                                  // all-zero row
+      row(*t, heads, 45, 1 % heads)[d] = bf(d % 3 ? 1e-30 : -3e4);   // wide mixed signs
+    }
+    // Document 1 (31 tokens, starting at token 1) all zero in every head: a zero block32 group.
+    for (int64_t tok = 1; tok < 32; ++tok)
+      for (int h = 0; h < heads; ++h)
+        for (int d = 0; d < D; ++d) row(*t, heads, tok, h)[d] = 0;
+  }
+}
+
+// Values the quantizer sees: BF16 decoded, optionally rotated (rotation is tested separately).
+std::vector<double> operand_values(const AttentionBatch& b, Operand op, bool rotate) {
+  const std::vector<uint16_t>& src = op == Operand::kQ   ? b.q
+                                     : op == Operand::kK ? b.k
+                                     : op == Operand::kV ? b.v
+                                                         : b.dout;
+  std::vector<double> out(src.size());
+  std::vector<float> row(size_t(b.head_dim));
+  for (size_t r = 0; r < src.size() / size_t(b.head_dim); ++r) {
+    for (int d = 0; d < b.head_dim; ++d)
+      row[d] = bf16::decode(src[r * size_t(b.head_dim) + size_t(d)]);
+    if (rotate) hadamard_rotate(row.data(), b.head_dim);
+    for (int d = 0; d < b.head_dim; ++d) out[r * size_t(b.head_dim) + size_t(d)] = row[d];
+  }
+  return out;
+}
+
+int ref_exponent_up(double amax, double max_code) {
+  if (amax == 0) return 0;
+  int e = -127;
+  while (e < 127 && amax > max_code * std::ldexp(1.0, e)) ++e;
+  return e;
+}
+
+int ref_exponent_floor(double amax) {
+  if (amax == 0) return 0;
+  return std::clamp(int(std::floor(std::log2(amax))) - 8, -127, 127);
+}
+
+// Round-half-even of y on the E4M3 grid, saturating at 448 (the hardware's satfinite).
+double ref_e4m3_round(double y) {
+  double a = std::fabs(y);
+  int binade = std::max(a > 0 ? int(std::floor(std::log2(a))) : -6, -6);
+  double spacing = std::ldexp(1.0, binade - 3);
+  double r = std::nearbyint(a / spacing) * spacing;
+  return std::copysign(std::min(r, 448.0), y);
+}
+
+// Group index of each (token, head) row under a policy's geometry: rows with the same id share
+// one exponent.
+std::vector<int64_t> group_ids(ScalePolicy p, const AttentionBatch& b, int heads) {
+  std::vector<int64_t> id(size_t(b.tokens * heads));
+  for (size_t doc = 0; doc + 1 < b.cu_seqlens.size(); ++doc)
+    for (int64_t t = b.cu_seqlens[doc]; t < b.cu_seqlens[doc + 1]; ++t)
+      for (int h = 0; h < heads; ++h) {
+        int64_t block = (t - b.cu_seqlens[doc]) / kBlockTokens;
+        int64_t g = 0;
+        switch (p) {
+          case ScalePolicy::kToken:
+          case ScalePolicy::kVGroup16:
+            g = t * heads + h;
+            break;
+          case ScalePolicy::kTensor:
+            g = 0;
+            break;
+          case ScalePolicy::kBlock32:
+          case ScalePolicy::kFloor:
+            g = (int64_t(doc) * 100000 + block) * heads + h;
+            break;
+        }
+        id[t * heads + h] = g;
+      }
+  return id;
+}
+
+class QuantizePolicy : public ::testing::TestWithParam<std::tuple<ScalePolicy, bool, int>> {};
+
+TEST_P(QuantizePolicy, ExponentsCodesAndErrorsMatchTheDefinition) {
+  const auto [policy, rotate, dim] = GetParam();
+  InputSpec spec;
+  spec.kind = InputKind::kHeavyTail;
+  spec.sigma = 2.0;
+  spec.seed = 17;
+  AttentionBatch b = generate_batch(kOddDocs, 4, 2, dim, spec);
+  plant_adversarial(b);
+  QuantizeOptions opt;
+  opt.policy = policy;
+  opt.hadamard = rotate;
+  QuantizedAttention qa = quantize_cpu(b.inputs(), opt);
+  ASSERT_FALSE(qa.non_finite.any()) << qa.non_finite.message();
+
+  for (Operand op : {Operand::kQ, Operand::kK, Operand::kV, Operand::kDO}) {
+    SCOPED_TRACE(to_string(op));
+    const ScalePolicy p = effective_policy(policy, op);
+    const E4M3Operand& o = qa.operand(op);
+    const int heads = o.layout.heads;
+    const bool rot = rotate && (op == Operand::kQ || op == Operand::kK);
+    const std::vector<double> x = operand_values(b, op, rot);
+    const auto at = [&](int64_t t, int h, int d) { return x[(t * heads + h) * dim + d]; };
+
+    // Reference exponents from group maxima.
+    std::vector<double> amax_row(size_t(b.tokens * heads), 0.0);
+    for (int64_t t = 0; t < b.tokens; ++t)
+      for (int h = 0; h < heads; ++h)
+        for (int d = 0; d < dim; ++d)
+          amax_row[t * heads + h] = std::max(amax_row[t * heads + h], std::fabs(at(t, h, d)));
+    const std::vector<int64_t> gid = group_ids(p, b, heads);
+    std::vector<std::pair<int64_t, double>> group_max;
+    auto group_amax = [&](int64_t g) {
+      double m = 0;
+      for (size_t r = 0; r < gid.size(); ++r)
+        if (gid[r] == g) m = std::max(m, amax_row[r]);
+      return m;
+    };
+
+    int clamps = 0;
+    for (int64_t t = 0; t < b.tokens; ++t) {
+      for (int h = 0; h < heads; ++h) {
+        const int64_t r = t * heads + h;
+        int e_ref = 0;
+        if (p != ScalePolicy::kVGroup16) {
+          const double m = p == ScalePolicy::kToken ? amax_row[r] : group_amax(gid[r]);
+          e_ref = p == ScalePolicy::kFloor ? ref_exponent_floor(m) : ref_exponent_up(m, 448.0);
+          ASSERT_EQ(ue8m0::exponent(o.exponents[o.layout.exponent(h, t)]), e_ref)
+              << "token " << t << " head " << h;
+        }
+        for (int d = 0; d < dim; ++d) {
+          const int e = o.exponent(t, h, d);
+          const double scaled = at(t, h, d) / std::ldexp(1.0, e);
+          if (p != ScalePolicy::kFloor) ASSERT_LE(std::fabs(scaled), 448.0) << "clamp at " << t;
+          const double want = ref_e4m3_round(scaled);
+          const double got = e4m3::decode(o.codes[o.layout.code(t, h, d)]);
+          ASSERT_EQ(got, want) << "token " << t << " head " << h << " dim " << d << " x "
+                               << at(t, h, d);
+          if (std::fabs(scaled) > 448.0) {
+            ++clamps;
+          } else {
+            ASSERT_LE(std::fabs(got - scaled), testref::e4m3_half_step(scaled));
+          }
+        }
+      }
+    }
+    if (p != ScalePolicy::kFloor) EXPECT_EQ(clamps, 0);
+
+    // vgroup16: exponents per document-local 16-key group and channel.
+    if (p == ScalePolicy::kVGroup16) {
+      for (size_t doc = 0; doc + 1 < b.cu_seqlens.size(); ++doc)
+        for (int64_t s = b.cu_seqlens[doc]; s < b.cu_seqlens[doc + 1]; s += 16) {
+          const int64_t end = std::min<int64_t>(s + 16, b.cu_seqlens[doc + 1]);
+          for (int h = 0; h < heads; ++h)
+            for (int d = 0; d < dim; ++d) {
+              double m = 0;
+              for (int64_t t = s; t < end; ++t) m = std::max(m, std::fabs(at(t, h, d)));
+              for (int64_t t = s; t < end; ++t)
+                ASSERT_EQ(o.exponent(t, h, d), ref_exponent_up(m, 448.0));
+            }
+        }
+    }
+
+    // Transposed copy: the same codes, tokens contiguous, zero padding; exponent padding fixed.
+    ASSERT_EQ(int64_t(o.codes_t.size()), o.layout.num_codes_t());
+    for (int h = 0; h < heads; ++h)
+      for (int d = 0; d < dim; ++d)
+        for (int64_t t = 0; t < o.layout.tokens_padded; ++t) {
+          const uint8_t want = t < b.tokens ? o.codes[o.layout.code(t, h, d)] : 0;
+          ASSERT_EQ(o.codes_t[o.layout.code_t(h, d, t)], want);
+        }
+    for (int h = 0; h < heads; ++h)
+      for (int64_t t = b.tokens; t < o.layout.tokens_padded; ++t)
+        ASSERT_EQ(o.exponents[o.layout.exponent(h, t)], kPaddingExponentCode);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllPolicies, QuantizePolicy,
+                         ::testing::Combine(::testing::ValuesIn(kAllScalePolicies),
+                                            ::testing::Bool(), ::testing::Values(64, 128)),
+                         [](const auto& info) {
+                           return std::string(to_string(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_rotated" : "") + "_d" +
+                                  std::to_string(std::get<2>(info.param));
+                         });
+
+TEST(Quantize, Block32CountsBlocksFromEachDocumentStart) {
+  // Two documents; the second starts at token 5. A large value at document-local position 31 of
+  // the second document (token 36) must set the exponent of tokens 5..36 and no others.
+  AttentionBatch b = generate_batch({5, 70}, 1, 1, 64, InputSpec{});
+  b.k[36 * 64 + 3] = bf(1000.0);
+  QuantizeOptions opt;
+  opt.policy = ScalePolicy::kBlock32;
+  QuantizedAttention qa = quantize_cpu(b.inputs(), opt);
+  const int big = ref_exponent_up(1000.0, 448.0);
+  for (int64_t t = 0; t < b.tokens; ++t) {
+    const int e = ue8m0::exponent(qa.k.exponents[qa.k.layout.exponent(0, t)]);
+    if (t >= 5 && t <= 36) {
+      EXPECT_EQ(e, big) << t;
+    } else {
+      EXPECT_LT(e, big) << t;
+    }
+  }
+}
+
+TEST(Quantize, FloorPolicyClampsWhereRoundUpDoesNot) {
+  // A token whose maximum is 480: the floor exponent keeps 2^0 and 480 saturates to 448 (an error
+  // of 32, far above half a code step); the round-up rule picks 2^1 and represents 480 exactly.
+  AttentionBatch b = generate_batch({40}, 1, 1, 64, InputSpec{});
+  b.v[10 * 64 + 7] = bf(480.0);
+  QuantizeOptions opt;
+  opt.policy = ScalePolicy::kFloor;
+  QuantizedAttention floor_q = quantize_cpu(b.inputs(), opt);
+  EXPECT_EQ(floor_q.v.exponent(10, 0, 7), 0);
+  EXPECT_EQ(floor_q.v.codes[floor_q.v.layout.code(10, 0, 7)], e4m3::kMaxCode);
+  EXPECT_EQ(floor_q.v.value(10, 0, 7), 448.0f);
+  opt.policy = ScalePolicy::kBlock32;
+  QuantizedAttention up_q = quantize_cpu(b.inputs(), opt);
+  EXPECT_EQ(up_q.v.exponent(10, 0, 7), 1);
+  EXPECT_EQ(up_q.v.value(10, 0, 7), 480.0f);
+}
+
+TEST(Quantize, StridedViewsGiveTheSameResultAsDenseOnes) {
+  AttentionBatch b = generate_batch(kOddDocs, 4, 2, 64, InputSpec{});
+  // Head-major copies [H][T][D] of every tensor.
+  auto head_major = [&](const std::vector<uint16_t>& src, int heads) {
+    std::vector<uint16_t> dst(src.size());
+    for (int64_t t = 0; t < b.tokens; ++t)
+      for (int h = 0; h < heads; ++h)
+        for (int d = 0; d < 64; ++d)
+          dst[(h * b.tokens + t) * 64 + d] = src[(t * heads + h) * 64 + d];
+    return dst;
+  };
+  auto q = head_major(b.q, 4), k = head_major(b.k, 2), v = head_major(b.v, 2),
+       g = head_major(b.dout, 4);
+  AttentionInputs in = b.inputs();
+  in.q = {q.data(), 64, b.tokens * 64};
+  in.k = {k.data(), 64, b.tokens * 64};
+  in.v = {v.data(), 64, b.tokens * 64};
+  in.dout = {g.data(), 64, b.tokens * 64};
+  QuantizeOptions opt;
+  opt.policy = ScalePolicy::kBlock32;
+  QuantizedAttention dense = quantize_cpu(b.inputs(), opt), strided = quantize_cpu(in, opt);
+  for (Operand op : {Operand::kQ, Operand::kK, Operand::kV, Operand::kDO}) {
+    EXPECT_EQ(dense.operand(op).codes, strided.operand(op).codes);
+    EXPECT_EQ(dense.operand(op).exponents, strided.operand(op).exponents);
+  }
+}
+
+TEST(Quantize, NonFiniteInputsAreReportedAndIsolated) {
+  AttentionBatch b = generate_batch(kOddDocs, 4, 2, 64, InputSpec{});
+  AttentionBatch clean = b;
+  const int64_t tok = 40;
+  b.k[(tok * 2 + 1) * 64 + 7] = 0x7FC0;     // NaN at token 40, head 1, dim 7
+  b.k[(tok * 2 + 1) * 64 + 9] = 0x7F80;     // +inf later in the same row
+  b.dout[(100 * 4 + 3) * 64 + 0] = 0xFF80;  // -inf in dO
+  clean.k[(tok * 2 + 1) * 64 + 7] = 0;
+  clean.k[(tok * 2 + 1) * 64 + 9] = 0;
+  clean.dout[(100 * 4 + 3) * 64 + 0] = 0;
+  for (ScalePolicy p : kAllScalePolicies) {
+    QuantizeOptions opt;
+    opt.policy = p;
+    opt.nvfp4_qk = true;
+    QuantizedAttention bad = quantize_cpu(b.inputs(), opt), ok = quantize_cpu(clean.inputs(), opt);
+    ASSERT_TRUE(bad.non_finite.any());
+    EXPECT_EQ(bad.non_finite.first_index[int(Operand::kQ)], -1);
+    EXPECT_EQ(bad.non_finite.first_index[int(Operand::kK)], (tok * 2 + 1) * 64 + 7);
+    EXPECT_EQ(bad.non_finite.first_index[int(Operand::kDO)], (100 * 4 + 3) * 64 + 0);
+    EXPECT_EQ(bad.non_finite.message(), "non-finite input in K at token 40, head 1, dim 7");
+    EXPECT_THROW(bad.non_finite.throw_if_any(), Error);
+    // Non-finite elements act as zeros: every other output is what the cleaned input gives.
+    for (Operand op : {Operand::kQ, Operand::kK, Operand::kV, Operand::kDO}) {
+      EXPECT_EQ(bad.operand(op).codes, ok.operand(op).codes);
+      EXPECT_EQ(bad.operand(op).exponents, ok.operand(op).exponents);
+      EXPECT_EQ(bad.operand(op).channel_exponents, ok.operand(op).channel_exponents);
+    }
+    EXPECT_EQ(bad.k4.packed, ok.k4.packed);
+    EXPECT_EQ(bad.k4.local_scales, ok.k4.local_scales);
+  }
+  EXPECT_FALSE(quantize_cpu(clean.inputs(), QuantizeOptions{}).non_finite.any());
+  EXPECT_EQ(quantize_cpu(clean.inputs(), QuantizeOptions{}).non_finite.message(), "");
+}
+
+TEST(Quantize, RejectsBadLayoutsAndViews) {
+  AttentionBatch b = generate_batch({10, 20}, 4, 2, 64, InputSpec{});
+  AttentionInputs in = b.inputs();
+  std::vector<int32_t> bad_cu = {0, 20, 10};
+  in.layout.cu_seqlens = bad_cu.data();
+  EXPECT_THROW(quantize_cpu(in, {}), Error);
+  in = b.inputs();
+  in.v.data = nullptr;
+  try {
+    quantize_cpu(in, {});
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("V is null"), std::string::npos);
+  }
+  in = b.inputs();
+  in.dout.data = nullptr;  // forward only: fine, dO left empty
+  QuantizedAttention fwd = quantize_cpu(in, {});
+  EXPECT_TRUE(fwd.dout.codes.empty());
+  EXPECT_THROW(parse_scale_policy("blocks"), Error);
+  EXPECT_EQ(parse_scale_policy("vgroup16"), ScalePolicy::kVGroup16);
+}
+
+TEST(Quantize, ForwardOnlyCanSkipTransposedCopies) {
+  AttentionBatch b = generate_batch({10, 20}, 2, 2, 64, InputSpec{});
+  QuantizeOptions opt;
+  opt.transposed = false;
+  EXPECT_TRUE(quantize_cpu(b.inputs(), opt).q.codes_t.empty());
+}
+
+class QuantizeNvfp4 : public ::testing::TestWithParam<std::tuple<bool, int>> {};
+
+TEST_P(QuantizeNvfp4, ScalesAreMinimalAndCodesNearest) {
+  const auto [rotate, dim] = GetParam();
+  InputSpec spec;
+  spec.kind = InputKind::kHeavyTail;
+  spec.sigma = 2.0;
+  AttentionBatch b = generate_batch(kOddDocs, 2, 1, dim, spec);
+  plant_adversarial(b);
+  QuantizeOptions opt;
+  opt.nvfp4_qk = true;
+  opt.hadamard = rotate;
+  QuantizedAttention qa = quantize_cpu(b.inputs(), opt);
+  for (Operand op : {Operand::kQ, Operand::kK}) {
+    SCOPED_TRACE(to_string(op));
+    const Nvfp4Operand& o = op == Operand::kQ ? qa.q4 : qa.k4;
+    const int heads = o.layout.heads;
+    const std::vector<double> x = operand_values(b, op, rotate);
+    for (int64_t t = 0; t < b.tokens; ++t)
+      for (int h = 0; h < heads; ++h) {
+        const double* row = &x[(t * heads + h) * dim];
+        double amax = 0;
+        for (int d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(row[d]));
+        const int e = ref_exponent_up(amax, 6.0 * 448.0);
+        ASSERT_EQ(o.exponent(t, h), e);
+        for (int g = 0; g < dim; g += 16) {
+          double gmax = 0;
+          for (int d = g; d < g + 16; ++d) gmax = std::max(gmax, std::fabs(row[d]));
+          const uint8_t s = o.local_scales[o.layout.nvfp4_scale(t, h, g)];
+          const double unit = std::ldexp(1.0, e);
+          if (gmax == 0) {
+            ASSERT_EQ(s, 0);
+          } else {  // the smallest E4M3 scale that covers the group: no E2M1 code clamps
+            ASSERT_LE(gmax, 6.0 * testref::e4m3_value(s) * unit);
+            ASSERT_GT(gmax, 6.0 * testref::e4m3_value(s - 1) * unit);
+          }
+          const double scale = testref::e4m3_value(s) * unit;
+          for (int d = g; d < g + 16; ++d) {
+            const double got = o.value(t, h, d);
+            double want = 0;
+            if (s != 0) {
+              const int c = testref::nearest_code(row[d] / scale, 16, testref::e2m1_value,
+                                                  [](int) { return false; });
+              want = testref::e2m1_value(c) * scale;
+              ASSERT_LE(std::fabs(got - row[d]), testref::e2m1_half_step(row[d] / scale) * scale);
+            }
+            ASSERT_EQ(got, want) << "token " << t << " head " << h << " dim " << d;
+          }
+        }
+      }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Nvfp4, QuantizeNvfp4,
+                         ::testing::Combine(::testing::Bool(), ::testing::Values(64, 128)));
+
+}  // namespace
+}  // namespace flamia
