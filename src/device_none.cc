@@ -3,7 +3,9 @@
 
 namespace flamia {
 
-bool built_with_cuda() { return false; }
+bool built_with_cuda() {
+  return false;
+}
 
 DeviceInfo query_device() {
   DeviceInfo info;

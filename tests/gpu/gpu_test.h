@@ -5,8 +5,8 @@
 
 #include "flamia/device.h"
 
-#define FLAMIA_REQUIRE_GPU()                                         \
-  do {                                                               \
+#define FLAMIA_REQUIRE_GPU()                                                         \
+  do {                                                                               \
     static const ::flamia::DeviceInfo flamia_device_info = ::flamia::query_device(); \
-    if (!flamia_device_info.available) GTEST_SKIP() << flamia_device_info.reason; \
+    if (!flamia_device_info.available) GTEST_SKIP() << flamia_device_info.reason;    \
   } while (0)

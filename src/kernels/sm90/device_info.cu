@@ -3,7 +3,9 @@
 
 namespace flamia {
 
-bool built_with_cuda() { return true; }
+bool built_with_cuda() {
+  return true;
+}
 
 DeviceInfo query_device() {
   DeviceInfo info;
