@@ -181,7 +181,7 @@ std::vector<int> row_exponents(ScalePolicy policy, const RowStats& stats, const 
   return e;
 }
 
-// vgroup16: one exponent per (document-local 16-token group, head, channel).
+// vgroup16: one exponent per (document-local 16-token group, head, channel), for the E2M1 grid.
 std::vector<uint8_t> vgroup_channel_exponents(const RowReader& reader, const PackedLayout& pl,
                                               int heads) {
   const int dim = reader.dim;
@@ -199,11 +199,17 @@ std::vector<uint8_t> vgroup_channel_exponents(const RowReader& reader, const Pac
         for (int64_t t = s; t < end; ++t)
           for (int d = 0; d < dim; ++d)
             ce[(t * heads + h) * dim + d] =
-                ue8m0::from_exponent(scale_exponent_up(amax[d], e4m3::kMax));
+                ue8m0::from_exponent(scale_exponent_up(amax[d], e2m1::kMax));
       }
     }
   }
   return ce;
+}
+
+// vgroup16's 4-bit V: x / 2^e rounded to the E2M1 grid, stored as the E4M3 code of that grid
+// value (every E2M1 value is an E4M3 value), so the kernels' V path needs no second format.
+uint8_t e2m1_grid_as_e4m3(float x, int e) {
+  return e4m3::encode(e2m1::decode(e2m1::encode_scaled(x, exp2i(e))));
 }
 
 E4M3Operand quantize_e4m3(const RowReader& reader, const PackedLayout& pl, int heads,
@@ -230,8 +236,11 @@ E4M3Operand quantize_e4m3(const RowReader& reader, const PackedLayout& pl, int h
       const int64_t t = r / heads;
       const int h = int(r % heads);
       reader.load(t, h, heads, buf.data());
-      for (int d = 0; d < l.dim; ++d)
-        out.codes[l.code(t, h, d)] = e4m3_quantize(buf[d], out.exponent(t, h, d));
+      for (int d = 0; d < l.dim; ++d) {
+        const int e = out.exponent(t, h, d);
+        out.codes[l.code(t, h, d)] = policy == ScalePolicy::kVGroup16 ? e2m1_grid_as_e4m3(buf[d], e)
+                                                                      : e4m3_quantize(buf[d], e);
+      }
     }
   }
   if (transposed) {

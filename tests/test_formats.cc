@@ -207,7 +207,9 @@ TEST(ScaleExponent, RoundUpIsSmallestExponentWithoutClamp) {
     if (k < 119 && k > -120) {
       float edge = 448.0f * std::ldexp(1.0f, k);
       EXPECT_EQ(scale_exponent_up(edge, e4m3::kMax), k);  // exactly 448 * 2^k fits
-      EXPECT_EQ(scale_exponent_up(std::nextafter(edge, std::numeric_limits<float>::infinity()), e4m3::kMax), k + 1);
+      EXPECT_EQ(scale_exponent_up(std::nextafter(edge, std::numeric_limits<float>::infinity()),
+                                  e4m3::kMax),
+                k + 1);
       check(std::nextafter(edge, 0.0f));
     }
   }

@@ -12,7 +12,9 @@
 //   exponents          [H][Tp]      UE8M0, one per token and head; a block policy repeats its
 //                                   block's exponent on every token of the block; padding 127
 //   channel_exponents  [T][H][D]    UE8M0, vgroup16's V only (one exponent per document-local
-//                                   16-key group and channel, repeated on each key)
+//                                   16-key group and channel, repeated on each key); that V is
+//                                   4-bit: x / 2^e on the E2M1 grid (e rounded up so |x| / 2^e
+//                                   <= 6), stored as the E4M3 code of the grid value
 //   NVFP4 (Q and K of the nvfp4-mixed recipe):
 //     packed           [T][H][D/2]  E2M1 pairs, element 2i in the low nibble
 //     local_scales     [T][H][D/16] positive E4M3, rounded up
@@ -36,7 +38,8 @@ enum class ScalePolicy {
   kBlock32,   // FLAMIA geometry: document-local 32-token blocks x head dim
   kTensor,    // one exponent per tensor (baseline)
   kFloor,     // block32 geometry with the floor-rounded exponent, which can clamp (baseline)
-  kVGroup16,  // V: document-local 16-key groups per channel; Q, K, dO per token (baseline)
+  kVGroup16,  // 4-bit V (E2M1 grid) in document-local 16-key groups per channel: the paper's
+              // leaky 4-bit-V baseline; Q, K, dO per token
 };
 constexpr ScalePolicy kAllScalePolicies[] = {ScalePolicy::kToken, ScalePolicy::kBlock32,
                                              ScalePolicy::kTensor, ScalePolicy::kFloor,

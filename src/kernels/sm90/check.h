@@ -2,6 +2,7 @@
 // failure becomes a flamia::Error naming the call, the file and line, and CUDA's message.
 #pragma once
 
+#include <cublasLt.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -20,12 +21,15 @@ inline void check(cudaError_t e, const char* expr, const char* file, int line) {
   if (e != cudaSuccess) fail(expr, file, line, cudaGetErrorString(e));
 }
 
+// Driver results come from entry points fetched through the runtime (cudaGetDriverEntryPoint):
+// linking libcuda itself would keep every binary from starting on a machine without a driver.
 inline void check(CUresult r, const char* expr, const char* file, int line) {
-  if (r != CUDA_SUCCESS) {
-    const char* msg = nullptr;
-    cuGetErrorString(r, &msg);
-    fail(expr, file, line, msg ? msg : "unknown driver error");
-  }
+  if (r != CUDA_SUCCESS) fail(expr, file, line, ("driver error " + std::to_string(int(r))).c_str());
+}
+
+// cuBLAS / cuBLASLt status (the benchmark's peer).
+inline void check(cublasStatus_t s, const char* expr, const char* file, int line) {
+  if (s != CUBLAS_STATUS_SUCCESS) fail(expr, file, line, cublasLtGetStatusString(s));
 }
 
 }  // namespace flamia::cuda

@@ -1,0 +1,60 @@
+// The causality contract probe (DESIGN §5). For a query at position i of document d, with dO fixed,
+// O_i, LSE_i and dQ_i must be bitwise unchanged when
+//   (a) K/V rows of d after i change  -- the positive controls below cross scale exponents and the
+//       E4M3 subnormal boundary, so a leaky scale policy shows its leak;
+//   (b) another document changes      -- a negative control;
+//   (c) d moves to another offset in the packed buffer, aligned or not.
+// dK and dV legitimately depend on later queries and are not probed.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "flamia/emulator.h"
+#include "flamia/inputs.h"
+
+namespace flamia {
+
+enum class ProbeControl {
+  kSuffixRandom,   // K, V rows after the prefix redrawn
+  kSuffixDouble,   // the first suffix row becomes 2x the prefix's largest row: one exponent step
+  kSuffixSpike,    // the first suffix row scaled by 2^6: several exponent steps
+  kOtherDocument,  // another document redrawn, with one row scaled by 2^6
+  kMoveAligned,    // a 64-token document inserted before the target
+  kMoveUnaligned,  // a 13-token document inserted before the target
+};
+constexpr ProbeControl kAllProbeControls[] = {
+    ProbeControl::kSuffixRandom,  ProbeControl::kSuffixDouble, ProbeControl::kSuffixSpike,
+    ProbeControl::kOtherDocument, ProbeControl::kMoveAligned,  ProbeControl::kMoveUnaligned};
+const char* to_string(ProbeControl c);
+bool is_suffix_control(ProbeControl c);
+
+struct ProbeConfig {
+  EmulatorConfig emulator;  // recipe, policy, tiles; backward_pass must stay on (dQ is probed)
+  int target_doc = -1;      // -1: the longest document
+  int prefix_end = -1;      // last prefix row (document-relative); -1: see default_prefix_end
+  uint64_t perturbation_seed = 12345;
+};
+
+// Default last prefix row: 30 modulo 32 near the middle of the document, so the first suffix row
+// closes a 32-token block (and a 16-key group) holding 31 (15) prefix rows: the whole residue a
+// block policy can leak into.
+int default_prefix_end(int doc_length);
+
+struct ProbeOutcome {
+  ProbeControl control;
+  // max |changed - base| / max |base| over the probed rows (the prefix for suffix controls, the
+  // whole document otherwise), all heads.
+  double o_change = 0, lse_change = 0, dq_change = 0;
+  bool o_exact = true, lse_exact = true, dq_exact = true;  // bitwise equal
+  int leak_reach = 0;  // suffix controls: first suffix row - earliest changed prefix row (0: none)
+
+  bool leaks() const { return !(o_exact && lse_exact && dq_exact); }
+};
+
+// Runs the base batch and each control through the emulator. Throws Error when the target
+// document is too short to have a prefix and a suffix.
+std::vector<ProbeOutcome> run_probe(const AttentionBatch& base, const ProbeConfig& config,
+                                    const std::vector<ProbeControl>& controls);
+
+}  // namespace flamia

@@ -1,0 +1,91 @@
+// Emulator forward stage: one (document, query head) task, query tile x key tile.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include "emulator_internal.h"
+
+namespace flamia::emu {
+
+void forward_task(const Problem& p, int doc, int head_q, AttentionOutputs<float>& out,
+                  EmulatorStats& st) {
+  const int L = p.layout.doc_length(doc);
+  if (L == 0) return;
+  const int64_t begin = p.layout.doc_begin(doc), T = p.layout.tokens;
+  const int dim = p.layout.head_dim, hq = p.layout.heads_q;
+  const int BM = p.config.forward.block_m, BN = p.config.forward.block_n;
+  const bool causal = p.config.attention.causal;
+  const Recipe recipe = p.config.recipe;
+  const TaskOperands ops = p.operands(doc, head_q, /*backward=*/false);
+  constexpr float kOffset = float(kPOffsetLog2);
+  constexpr int kNoExponent = INT_MIN;
+
+  std::vector<float> s(size_t(BM) * BN), acc(size_t(BM) * dim), tile(dim);
+  std::vector<float> m(BM), l(BM);
+  std::vector<int> R(BM);
+  for (int m0 = 0; m0 < L; m0 += BM) {
+    const int rows = std::min(BM, L - m0);
+    std::fill(m.begin(), m.end(), -INFINITY);
+    std::fill(l.begin(), l.end(), 0.0f);
+    std::fill(R.begin(), R.end(), kNoExponent);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const int key_end = causal ? m0 + rows : L;
+    for (int n0 = 0; n0 < key_end; n0 += BN) {
+      const int cols = std::min(BN, L - n0);
+      tile_product_abt(ops.sq, m0, rows, ops.sk, n0, cols, s.data());
+      for (int r = 0; r < rows; ++r) {
+        const int i = m0 + r;
+        const int visible = causal ? std::min(cols, i - n0 + 1) : cols;
+        if (visible <= 0) continue;
+        float* sr = &s[size_t(r) * cols];
+        const float row_factor = p.scale_log2 * exp2i(ops.sq.exponent[i]);
+        float tile_max = -INFINITY;
+        int r_new = R[r];
+        for (int c = 0; c < visible; ++c) {
+          sr[c] = scaled_logit(sr[c], row_factor, ops.sk.exponent[n0 + c]);
+          tile_max = std::max(tile_max, sr[c]);
+          if (ops.fold_v) r_new = std::max(r_new, ops.v.exponent[n0 + c]);
+        }
+        const float m_new = std::max(m[r], tile_max);
+        // Rescale of the running state: the softmax max and the V reference exponent together.
+        const float alpha = m[r] == -INFINITY ? 0.0f : std::exp2(m[r] - m_new);
+        const float r_factor =
+            (R[r] == kNoExponent || !ops.fold_v) ? 1.0f : scale_by_pow2(1.0f, R[r] - r_new);
+        std::fill(tile.begin(), tile.end(), 0.0f);
+        float psum = 0.0f;
+        for (int c = 0; c < visible; ++c) {
+          const float P = std::exp2(sr[c] - m_new + kOffset);
+          psum += P;
+          const float pt = ops.fold_v ? scale_by_pow2(P, ops.v.exponent[n0 + c] - r_new) : P;
+          st.p_max = std::max(st.p_max, double(pt));
+          const float p8 = round_operand(recipe, pt);
+          ++st.p_entries;
+          if (p8 == 0.0f) {
+            if (pt > 0.0f) ++st.p_underflow;
+            continue;
+          }
+          const float* vr = ops.v.row(n0 + c);
+          for (int d = 0; d < dim; ++d) tile[d] += p8 * vr[d];
+        }
+        l[r] = l[r] * alpha + psum;
+        float* a = &acc[size_t(r) * dim];
+        const float rescale = alpha * r_factor;
+        for (int d = 0; d < dim; ++d) a[d] = a[d] * rescale + tile[d];
+        m[r] = m_new;
+        R[r] = r_new;
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int64_t t = begin + m0 + r;
+      if (l[r] == 0.0f) continue;  // no visible key (cannot happen for causal rows)
+      const float unit = ops.fold_v ? exp2i(R[r]) : 1.0f;
+      float* o = &out.o[size_t((t * hq + head_q) * dim)];
+      for (int d = 0; d < dim; ++d) o[d] = bf16::round(acc[size_t(r) * dim + d] * unit / l[r]);
+      out.lse[size_t(head_q * T + t)] = kLn2 * (m[r] - kOffset + std::log2(l[r]));
+    }
+  }
+  if (st.p_max > e4m3::kMax)
+    throw Error("internal: P~ exceeded the E4M3 budget (" + std::to_string(st.p_max) + " > 448)");
+}
+
+}  // namespace flamia::emu
