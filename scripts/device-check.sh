@@ -2,24 +2,25 @@
 # One command for the GPU machine: configure (CMake + Ninja, Release, sm_90a), build, run the GPU
 # tests, optionally under compute-sanitizer, run the named benchmarks, and print a short table last.
 #
-#   scripts/device-check.sh [--sanitize] [--filter GTEST_FILTER] [--all-tests] [--no-tests]
-#                           [--bench "KIND [OPTIONS]"]...
+#   scripts/device-check.sh [--sanitize] [--filter GTEST_FILTER] [--sanitize-filter GTEST_FILTER]
+#                           [--all-tests] [--no-tests] [--bench "KIND [OPTIONS]"]...
 #
 # The device tool's call must carry .deps (GoogleTest sources; see README, Development). Logs and
 # benchmark outputs go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-sanitize=0 filter="*" all_tests=0 run_tests=1
+sanitize=0 filter="*" sanitize_filter="" all_tests=0 run_tests=1
 benches=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --sanitize) sanitize=1 ;;
     --filter) filter="$2"; shift ;;
+    --sanitize-filter) sanitize_filter="$2"; shift ;;
     --all-tests) all_tests=1 ;;
     --no-tests) run_tests=0 ;;
     --bench) benches+=("$2"); shift ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "device-check: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -74,7 +75,8 @@ if [ "$run_tests" = 1 ]; then
   fi
 fi
 if [ "$sanitize" = 1 ]; then
-  if compute-sanitizer --tool memcheck --error-exitcode 1 "$gpu_tests" --gtest_filter="$filter" \
+  if compute-sanitizer --tool memcheck --error-exitcode 1 "$gpu_tests" \
+      --gtest_filter="${sanitize_filter:-$filter}" \
       >"$out/sanitizer.log" 2>&1; then
     row "compute-sanitizer" "ok" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer.log" | tail -1)"
   else

@@ -1,0 +1,61 @@
+// The fused GPU quantizer (DESIGN §3, §6): writes exactly the bytes of quantize_cpu (the oracle in
+// flamia/quantize.h, whose header comment defines every layout below) into device buffers.
+//
+// One launch quantizes Q, K, V and dO (when given) under any scale policy, with the optional
+// Hadamard rotation and NVFP4 Q/K; the `tensor` policy adds one launch before it for the tensor
+// maxima. quantize_gpu validates on the host, then only enqueues work on `stream`: it never
+// synchronises with the host.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "flamia/quantize.h"
+
+namespace flamia {
+
+// Device views of E4M3Operand's arrays (T tokens, H heads, head dim D, Tp = QuantLayout's padded
+// token count). Every pointer is device memory aligned to kDeviceAlignment.
+struct DeviceE4M3Operand {
+  uint8_t* codes = nullptr;              // [T][H][D]
+  uint8_t* codes_t = nullptr;            // [H][D][Tp]; needed when QuantizeOptions::transposed
+  uint8_t* exponents = nullptr;          // [H][Tp]
+  uint8_t* channel_exponents = nullptr;  // [T][H][D]; needed for V under vgroup16 only
+};
+
+// Device views of Nvfp4Operand's arrays; needed when QuantizeOptions::nvfp4_qk.
+struct DeviceNvfp4Operand {
+  uint8_t* packed = nullptr;        // [T][H][D/2]
+  uint8_t* local_scales = nullptr;  // [T][H][D/16]
+  uint8_t* exponents = nullptr;     // [H][Tp]
+};
+
+struct DeviceQuantizedAttention {
+  DeviceE4M3Operand q, k, v, dout;  // dout unused when the inputs have no dO
+  DeviceNvfp4Operand q4, k4;
+  // [kNumOperands], Q, K, V, dO order: NonFiniteReport::first_index (flat index of the first
+  // non-finite input element, -1 if none). Reset by every call, then filled by the kernel.
+  int64_t* non_finite_first = nullptr;
+};
+
+struct DeviceAttentionInputs {
+  PackedLayout layout;                  // layout.cu_seqlens is host memory (validated on the host)
+  const int32_t* cu_seqlens = nullptr;  // the same num_docs + 1 offsets in device memory
+  TokenTensor<const uint16_t> q, k, v, dout;  // device BF16 bits; dout.data null: forward only
+};
+
+// Alignment of every device pointer (16-byte vector accesses); input token and head strides must
+// be multiples of kDeviceAlignment bytes too. cudaMalloc's allocations satisfy it.
+constexpr int kDeviceAlignment = 16;
+
+// Throws flamia::Error (layout, views, null or misaligned pointers) before enqueuing anything.
+void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& options,
+                  const DeviceQuantizedAttention& out, cudaStream_t stream);
+
+// For tests and tools: uploads host inputs (any valid strides), quantizes on the current device,
+// and returns the result in quantize_cpu's form (non_finite filled). Synchronises.
+QuantizedAttention quantize_gpu_to_host(const AttentionInputs& host_inputs,
+                                        const QuantizeOptions& options);
+
+}  // namespace flamia

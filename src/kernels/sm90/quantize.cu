@@ -1,0 +1,158 @@
+// quantize_gpu: host-side validation and the launch of the fused quantizer (quantize_tile.cuh).
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "check.h"
+#include "flamia/quantize_gpu.h"
+#include "quantize_tile.cuh"
+
+namespace flamia {
+namespace {
+
+using sm90::quant::KernelArgs;
+using sm90::quant::kThreads;
+using sm90::quant::OperandArgs;
+
+bool is_aligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+void require_output(const char* operand, const char* array, const void* p) {
+  const std::string name = std::string(operand) + " output '" + array + "'";
+  if (p == nullptr) throw Error(name + " is null");
+  if (!is_aligned(p, kDeviceAlignment))
+    throw Error(name + " is not " + std::to_string(kDeviceAlignment) + "-byte aligned");
+}
+
+void require_vector_input(const char* name, const TokenTensor<const uint16_t>& v) {
+  constexpr int64_t kElems = kDeviceAlignment / int64_t(sizeof(uint16_t));
+  if (!is_aligned(v.data, kDeviceAlignment) || v.stride_token % kElems != 0 ||
+      v.stride_head % kElems != 0)
+    throw Error(std::string(name) + " must start " + std::to_string(kDeviceAlignment) +
+                "-byte aligned with token and head strides that are multiples of " +
+                std::to_string(kElems) + " elements (stride_token " +
+                std::to_string(v.stride_token) + ", stride_head " + std::to_string(v.stride_head) +
+                ")");
+}
+
+template <int kDim, bool kRotate>
+void launch(const KernelArgs& args, int tiles, cudaStream_t stream) {
+  sm90::quant::quantize_kernel<kDim, kRotate><<<tiles, kThreads, 0, stream>>>(args);
+  FLAMIA_CUDA_CHECK_LAUNCH();
+}
+
+void launch_for(int dim, bool rotate, const KernelArgs& args, int tiles, cudaStream_t stream) {
+  constexpr int kSmallDim = 64, kLargeDim = 128;
+  if (dim == kSmallDim) {
+    rotate ? launch<kSmallDim, true>(args, tiles, stream)
+           : launch<kSmallDim, false>(args, tiles, stream);
+  } else {
+    rotate ? launch<kLargeDim, true>(args, tiles, stream)
+           : launch<kLargeDim, false>(args, tiles, stream);
+  }
+}
+
+}  // namespace
+
+void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& options,
+                  const DeviceQuantizedAttention& out, cudaStream_t stream) {
+  const PackedLayout& pl = in.layout;
+  validate(pl);
+  validate_view("Q", in.q, pl.tokens, pl.heads_q, pl.head_dim);
+  validate_view("K", in.k, pl.tokens, pl.heads_kv, pl.head_dim);
+  validate_view("V", in.v, pl.tokens, pl.heads_kv, pl.head_dim);
+  const bool backward = in.dout.data != nullptr;
+  if (backward) validate_view("dO", in.dout, pl.tokens, pl.heads_q, pl.head_dim);
+  if (in.cu_seqlens == nullptr) throw Error("device cu_seqlens is null");
+  if (out.non_finite_first == nullptr) throw Error("non_finite_first (the status array) is null");
+  if (!is_aligned(out.non_finite_first, sizeof(int64_t)))
+    throw Error("non_finite_first is not 8-byte aligned");
+
+  struct Job {
+    Operand id;
+    const char* name;
+    TokenTensor<const uint16_t> view;
+    int heads;
+    const DeviceE4M3Operand* dst;
+    const DeviceNvfp4Operand* nv;  // null: no NVFP4 for this operand
+  };
+  const DeviceNvfp4Operand* q4 = options.nvfp4_qk ? &out.q4 : nullptr;
+  const DeviceNvfp4Operand* k4 = options.nvfp4_qk ? &out.k4 : nullptr;
+  const Job jobs[kNumOperands] = {{Operand::kQ, "Q", in.q, pl.heads_q, &out.q, q4},
+                                  {Operand::kK, "K", in.k, pl.heads_kv, &out.k, k4},
+                                  {Operand::kV, "V", in.v, pl.heads_kv, &out.v, nullptr},
+                                  {Operand::kDO, "dO", in.dout, pl.heads_q, &out.dout, nullptr}};
+  const int num_ops = backward ? kNumOperands : kNumOperands - 1;
+
+  KernelArgs args;
+  args.num_ops = num_ops;
+  args.tokens = pl.tokens;
+  args.tokens_padded = QuantLayout::make(pl.tokens, 1, pl.head_dim).tokens_padded;
+  args.cu_seqlens = in.cu_seqlens;
+  args.num_docs = pl.num_docs;
+  args.non_finite = reinterpret_cast<unsigned long long*>(out.non_finite_first);
+  const int tile = sm90::quant::tile_tokens(pl.head_dim);
+  const int64_t token_tiles = (pl.tokens + tile - 1) / tile;
+  int64_t tiles = 0;
+  for (int i = 0; i < num_ops; ++i) {
+    const Job& j = jobs[i];
+    const ScalePolicy policy = effective_policy(options.policy, j.id);
+    OperandArgs& o = args.ops[i];
+    o.in = j.view.data;
+    o.stride_token = j.view.stride_token;
+    o.stride_head = j.view.stride_head;
+    o.heads = j.heads;
+    o.policy = policy;
+    o.rotate = options.hadamard && (j.id == Operand::kQ || j.id == Operand::kK);
+    o.codes = j.dst->codes;
+    o.codes_t = options.transposed ? j.dst->codes_t : nullptr;
+    o.exponents = j.dst->exponents;
+    o.channel_exponents = policy == ScalePolicy::kVGroup16 ? j.dst->channel_exponents : nullptr;
+    if (j.nv != nullptr) {
+      o.nv_packed = j.nv->packed;
+      o.nv_scales = j.nv->local_scales;
+      o.nv_exponents = j.nv->exponents;
+    }
+    o.first_tile = int(tiles);
+    tiles += token_tiles * j.heads;
+    if (pl.tokens == 0) continue;  // every array is empty
+    require_vector_input(j.name, j.view);
+    require_output(j.name, "codes", o.codes);
+    require_output(j.name, "exponents", o.exponents);
+    if (options.transposed) require_output(j.name, "codes_t", o.codes_t);
+    if (policy == ScalePolicy::kVGroup16)
+      require_output(j.name, "channel_exponents", o.channel_exponents);
+    if (j.nv != nullptr) {
+      const std::string nv_name = std::string(j.name) + " (NVFP4)";
+      require_output(nv_name.c_str(), "packed", o.nv_packed);
+      require_output(nv_name.c_str(), "local_scales", o.nv_scales);
+      require_output(nv_name.c_str(), "exponents", o.nv_exponents);
+    }
+  }
+  if (tiles > INT_MAX) throw Error("too many tokens x heads for one launch");
+
+  // All ones is -1 as int64 and the largest value for the kernel's unsigned atomicMin.
+  constexpr int kAllOnes = 0xFF;
+  FLAMIA_CUDA_CHECK(
+      cudaMemsetAsync(out.non_finite_first, kAllOnes, kNumOperands * sizeof(int64_t), stream));
+  if (tiles == 0) return;
+
+  const bool rotate = options.hadamard;
+  if (options.policy == ScalePolicy::kTensor) {
+    void* workspace = nullptr;
+    const size_t bytes = kNumOperands * sizeof(unsigned);
+    FLAMIA_CUDA_CHECK(cudaMallocAsync(&workspace, bytes, stream));
+    FLAMIA_CUDA_CHECK(cudaMemsetAsync(workspace, 0, bytes, stream));
+    args.tensor_amax = static_cast<unsigned*>(workspace);
+    args.amax_only = true;
+    launch_for(pl.head_dim, rotate, args, int(tiles), stream);
+    args.amax_only = false;
+    launch_for(pl.head_dim, rotate, args, int(tiles), stream);
+    FLAMIA_CUDA_CHECK(cudaFreeAsync(workspace, stream));
+  } else {
+    launch_for(pl.head_dim, rotate, args, int(tiles), stream);
+  }
+}
+
+}  // namespace flamia

@@ -1,0 +1,87 @@
+// setmaxnreg: a producer warpgroup gives registers back and two consumer warpgroups take them,
+// under the __launch_bounds__(384, 1) entry cap the instruction needs. The consumers then run a
+// register-hungry unrolled computation whose results the host checks, and the kernel must use no
+// local memory.
+#include <cstdint>
+#include <vector>
+
+#include "arch.cuh"
+#include "gpu_test.h"
+#include "setmaxnreg.cuh"
+#include "sm90_test_util.h"
+
+namespace flamia {
+namespace {
+
+using test::DeviceBuffer;
+
+constexpr uint32_t kProducerWarpgroups = 1, kConsumerWarpgroups = 2;
+constexpr uint32_t kThreads = (kProducerWarpgroups + kConsumerWarpgroups) * sm90::kWarpgroupThreads;
+constexpr uint32_t kProducerRegs = 40;
+constexpr uint32_t kConsumerRegs =
+    sm90::consumer_register_budget(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups);
+static_assert(kConsumerRegs == 232, "(65536 / 128 - 40) / 2, rounded down to a multiple of 8");
+static_assert(sm90::register_split_fits(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups,
+                                        kConsumerRegs));
+static_assert(!sm90::register_split_fits(kProducerWarpgroups, sm90::kMaxnregMax,
+                                         kConsumerWarpgroups, sm90::kMaxnregMax),
+              "the budget check must reject an over-full split");
+constexpr int kLive = 128;  // values each consumer thread keeps live at once
+constexpr int kMixRounds = 4;
+constexpr uint32_t kProducerMark = 0xC0FFEEu;
+
+__host__ __device__ inline uint32_t mix(uint32_t x, uint32_t y) {
+  return (x ^ (y >> 3)) * 9 + y;
+}
+
+__host__ __device__ inline uint32_t consumer_result(uint32_t seed) {
+  uint32_t v[kLive];
+  for (int i = 0; i < kLive; ++i) v[i] = seed * 2654435761u + uint32_t(i);
+  for (int r = 0; r < kMixRounds; ++r)
+    for (int i = 0; i < kLive; ++i) v[i] = mix(v[i], v[(i + 1 + r) % kLive]);
+  uint32_t h = 0;
+  for (int i = 0; i < kLive; ++i) h = h * 31 + v[i];
+  return h;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) split_kernel(uint32_t* out) {
+  if (sm90::warpgroup_index() < kProducerWarpgroups) {
+    sm90::setmaxnreg_dec<kProducerRegs>();
+    out[threadIdx.x] = kProducerMark + threadIdx.x;
+  } else {
+    sm90::setmaxnreg_inc<kConsumerRegs>();
+    uint32_t v[kLive];
+#pragma unroll
+    for (int i = 0; i < kLive; ++i) v[i] = threadIdx.x * 2654435761u + uint32_t(i);
+#pragma unroll
+    for (int r = 0; r < kMixRounds; ++r)
+#pragma unroll
+      for (int i = 0; i < kLive; ++i) v[i] = mix(v[i], v[(i + 1 + r) % kLive]);
+    uint32_t h = 0;
+#pragma unroll
+    for (int i = 0; i < kLive; ++i) h = h * 31 + v[i];
+    out[threadIdx.x] = h;
+  }
+}
+
+TEST(GpuSetmaxnreg, WarpSpecialisedKernelRunsWithoutLocalMemory) {
+  FLAMIA_REQUIRE_GPU();
+  cudaFuncAttributes attr{};
+  FLAMIA_CUDA_CHECK(cudaFuncGetAttributes(&attr, split_kernel));
+  EXPECT_EQ(attr.localSizeBytes, 0u) << "register spills";
+  EXPECT_LE(uint32_t(attr.numRegs), sm90::entry_register_cap(kThreads));
+
+  DeviceBuffer<uint32_t> out(kThreads);
+  out.poison();
+  split_kernel<<<1, kThreads>>>(out.get());
+  test::sync_checked();
+  const std::vector<uint32_t> got = out.download();
+  for (uint32_t t = 0; t < kThreads; ++t) {
+    const uint32_t want =
+        t < kProducerWarpgroups * sm90::kWarpgroupThreads ? kProducerMark + t : consumer_result(t);
+    ASSERT_EQ(got[t], want) << "thread " << t;
+  }
+}
+
+}  // namespace
+}  // namespace flamia
