@@ -10,9 +10,11 @@ namespace flamia::cli {
 
 namespace {
 const char* kBenchUsage =
-    "usage: flamia bench <kind> [options]\n"
+    "usage: flamia bench [kind] [options]\n"
     "\n"
     "kinds:\n"
+    "  attention  (default) the nine packed causal workloads: flamia's training call stage by\n"
+    "             stage next to cuDNN BF16 and cuDNN FP8 in the same run\n"
     "  gemm       FP8 GEMM test vehicle of the sm_90a primitives, next to cuBLASLt\n"
     "  quantize   fused GPU quantizer throughput, next to a device-to-device copy\n"
     "\n"
@@ -20,18 +22,26 @@ const char* kBenchUsage =
 }  // namespace
 
 int cmd_bench(int argc, char** argv, int first) {
-  if (first >= argc || !std::strcmp(argv[first], "--help") || !std::strcmp(argv[first], "-h")) {
+  if (first < argc && (!std::strcmp(argv[first], "--help") || !std::strcmp(argv[first], "-h"))) {
     std::cout << kBenchUsage;
-    return first >= argc ? 2 : 0;
+    return 0;
   }
-  const std::string kind = argv[first];
+  // No kind, or options right away: the attention workloads.
+  const bool has_kind = first < argc && std::strncmp(argv[first], "--", 2) != 0;
+  const std::string kind = has_kind ? argv[first] : "attention";
+  const int rest = has_kind ? first + 1 : first;
 #if defined(FLAMIA_HAVE_CUDA)
-  if (kind == "gemm") return bench_gemm(argc, argv, first + 1);
-  if (kind == "quantize") return bench_quantize(argc, argv, first + 1);
+  if (kind == "attention") return bench_attention(argc, argv, rest);
+  if (kind == "gemm") return bench_gemm(argc, argv, rest);
+  if (kind == "quantize") return bench_quantize(argc, argv, rest);
   std::cerr << "flamia bench: unknown kind '" << kind << "'\n\n" << kBenchUsage;
   return 2;
 #else
-  (void)kind;
+  (void)rest;
+  if (kind != "attention" && kind != "gemm" && kind != "quantize") {
+    std::cerr << "flamia bench: unknown kind '" << kind << "'\n\n" << kBenchUsage;
+    return 2;
+  }
   std::cerr << "flamia bench: " << query_device().reason << "\n";
   return 2;
 #endif

@@ -11,7 +11,8 @@ int cmd_bench(int argc, char** argv, int first);
 
 #if defined(FLAMIA_HAVE_CUDA)
 // GPU benchmarks, `flamia bench <kind>`; built only with CUDA.
-int bench_gemm(int argc, char** argv, int first);      // cli/bench_gemm.cc
+int bench_attention(int argc, char** argv, int first);  // cli/bench_attention.cc
+int bench_gemm(int argc, char** argv, int first);       // cli/bench_gemm.cc
 int bench_quantize(int argc, char** argv, int first);  // cli/bench_quantize.cc
 #endif
 

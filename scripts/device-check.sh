@@ -66,11 +66,13 @@ if [ "$run_tests" = 1 ]; then
     row "gpu tests" "FAIL" "$(grep -E '^\[  FAILED  \]' "$out/gpu-tests.log" | head -1)"
   fi
   if [ "$all_tests" = 1 ]; then
-    if ctest --test-dir build-device -LE gpu -j "$(nproc)" >"$out/cpu-tests.log" 2>&1; then
-      row "cpu tests" "ok" "$(grep 'tests passed' "$out/cpu-tests.log")"
+    # The test binary itself: this machine's newer CMake cannot read gtest_discover_tests' script
+    # for the GPU suite, which would stop ctest before any test.
+    if build-device/tests/flamia_tests >"$out/cpu-tests.log" 2>&1; then
+      row "cpu tests" "ok" "$(grep -E '^\[  PASSED  \]' "$out/cpu-tests.log")"
     else
       status=1
-      row "cpu tests" "FAIL" "$(grep 'tests passed' "$out/cpu-tests.log")"
+      row "cpu tests" "FAIL" "$(grep -E '^\[  FAILED  \]' "$out/cpu-tests.log" | head -1)"
     fi
   fi
 fi

@@ -1,0 +1,23 @@
+// Timing of enqueued GPU work for the benchmarks: warm-up, then one CUDA event pair per rep, no
+// host synchronisation between reps, medians.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <functional>
+#include <string>
+
+namespace flamia::bench {
+
+struct Timing {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+  bool graph = false;  // replayed from a captured CUDA graph
+};
+
+// `enqueue(rep)` enqueues one call on `stream`; rep selects the input set. With `use_graphs`, the
+// call of each of `sets` input sets is captured once into a CUDA graph and replayed, which removes
+// launch gaps between the call's kernels; if capture fails the calls run directly.
+Timing time_reps(const std::function<void(int rep)>& enqueue, cudaStream_t stream, int warmup,
+                 int reps, int sets = 1, bool use_graphs = false);
+
+}  // namespace flamia::bench
