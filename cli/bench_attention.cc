@@ -179,6 +179,8 @@ std::unique_ptr<CudnnSdpa> build_peer(const bench::SdpaProblem& p, CudnnPrecisio
   std::string padded_reason;
   peer = CudnnSdpa::build(p, precision, CudnnLayout::kPadded, s, &padded_reason);
   if (!peer) *reason = "ragged: " + ragged_reason + "; padded: " + padded_reason;
+  if (peer)
+    std::cerr << "[bench] ragged layout refused, padded used: " << ragged_reason << std::endl;
   return peer;
 }
 

@@ -23,6 +23,7 @@
 #include "quantize_outputs.h"
 #include "random_fill.h"
 #include "table.h"
+#include "timing.h"
 
 namespace flamia::cli {
 namespace {
@@ -32,35 +33,6 @@ constexpr int kMinSets = 2;
 constexpr size_t kCopyBytes = size_t(1) << 30;  // 1 GiB, far beyond L2
 constexpr double kGiga = 1e9;
 constexpr double kMsPerS = 1e3;
-
-struct Timing {
-  double median_ms = 0, min_ms = 0, max_ms = 0;
-};
-
-// Warm-up launches, then one event pair per rep (no host sync between reps).
-Timing time_reps(const std::function<void(int)>& launch, int warmup, int reps,
-                 cudaStream_t stream) {
-  for (int i = 0; i < warmup; ++i) launch(i);
-  std::vector<cudaEvent_t> start(reps), stop(reps);
-  for (int i = 0; i < reps; ++i) {
-    FLAMIA_CUDA_CHECK(cudaEventCreate(&start[i]));
-    FLAMIA_CUDA_CHECK(cudaEventCreate(&stop[i]));
-  }
-  for (int i = 0; i < reps; ++i) {
-    FLAMIA_CUDA_CHECK(cudaEventRecord(start[i], stream));
-    launch(warmup + i);
-    FLAMIA_CUDA_CHECK(cudaEventRecord(stop[i], stream));
-  }
-  FLAMIA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> ms(reps);
-  for (int i = 0; i < reps; ++i) {
-    FLAMIA_CUDA_CHECK(cudaEventElapsedTime(&ms[i], start[i], stop[i]));
-    FLAMIA_CUDA_CHECK(cudaEventDestroy(start[i]));
-    FLAMIA_CUDA_CHECK(cudaEventDestroy(stop[i]));
-  }
-  std::sort(ms.begin(), ms.end());
-  return {ms[reps / 2], ms.front(), ms.back()};
-}
 
 // One set of BF16 inputs.
 struct InputSet {
@@ -154,21 +126,21 @@ int bench_quantize(int argc, char** argv, int first) {
     views.push_back(in);
   }
   const cuda::QuantizeOutputs out(layout, opt, backward);
-  const Timing t_quant =
-      time_reps([&](int rep) { quantize_gpu(views[size_t(rep % sets)], opt, out.view(), stream); },
-                warmup, reps, stream);
+  const bench::Timing t_quant =
+      bench::time_reps([&](int set) { quantize_gpu(views[size_t(set)], opt, out.view(), stream); },
+                       stream, warmup, reps, sets);
   const NonFiniteReport status = out.non_finite();  // the last rep's
   inputs.clear();
 
   const cuda::DeviceBuffer copy_src(kCopyBytes), copy_dst(kCopyBytes);
   cuda::fill_random_bf16(copy_src.get<uint16_t>(), int64_t(kCopyBytes / sizeof(uint16_t)), seed,
                          stream);
-  const Timing t_copy = time_reps(
+  const bench::Timing t_copy = bench::time_reps(
       [&](int) {
         FLAMIA_CUDA_CHECK(cudaMemcpyAsync(copy_dst.get(), copy_src.get(), kCopyBytes,
                                           cudaMemcpyDeviceToDevice, stream));
       },
-      warmup, reps, stream);
+      stream, warmup, reps);
   FLAMIA_CUDA_CHECK(cudaStreamDestroy(stream));
 
   const int64_t input_elems = q_elems * (backward ? 2 : 1) + 2 * kv_elems;
@@ -185,7 +157,7 @@ int bench_quantize(int argc, char** argv, int first) {
                 (opt.hadamard ? ", hadamard" : "") + (opt.nvfp4_qk ? ", nvfp4" : "") +
                 (backward ? ", Q K V dO" : ", Q K V") + ", " + dev.name;
   table.columns = {"kernel", "median ms", "GB moved", "GB/s", "of copy", "min ms", "max ms"};
-  auto row = [&](const std::string& name, const Timing& t, double bytes) {
+  auto row = [&](const std::string& name, const bench::Timing& t, double bytes) {
     const double rate = gbps(bytes, t.median_ms);
     table.add_row({name, fmt(t.median_ms, 4), fmt(bytes / kGiga, 3), fmt(rate, 0),
                    fmt(rate / copy_gbps, 3), fmt(t.min_ms, 4), fmt(t.max_ms, 4)});
