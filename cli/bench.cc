@@ -31,6 +31,13 @@ int cmd_bench(int argc, char** argv, int first) {
   const std::string kind = has_kind ? argv[first] : "attention";
   const int rest = has_kind ? first + 1 : first;
 #if defined(FLAMIA_HAVE_CUDA)
+  bool help = false;
+  for (int i = rest; i < argc; ++i)
+    help |= !std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h");
+  if (const DeviceInfo dev = query_device(); !help && !dev.available) {
+    std::cerr << "flamia bench: " << dev.reason << "\n";
+    return 2;
+  }
   if (kind == "attention") return bench_attention(argc, argv, rest);
   if (kind == "gemm") return bench_gemm(argc, argv, rest);
   if (kind == "quantize") return bench_quantize(argc, argv, rest);

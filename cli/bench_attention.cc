@@ -508,11 +508,7 @@ int bench_attention(int argc, char** argv, int first) {
     std::cout << args.usage();
     return 0;
   }
-  const DeviceInfo dev = query_device();
-  if (!dev.available) {
-    std::cerr << "flamia bench: " << dev.reason << "\n";
-    return 2;
-  }
+  const DeviceInfo dev = query_device();  // available: cmd_bench checked
   Options opt;
   opt.reps = int(args.integer("reps"));
   opt.warmup = int(args.integer("warmup"));

@@ -210,11 +210,7 @@ int bench_gemm(int argc, char** argv, int first) {
     std::cout << args.usage();
     return 0;
   }
-  const DeviceInfo dev = query_device();
-  if (!dev.available) {
-    std::cerr << "flamia bench gemm: " << dev.reason << "\n";
-    return 2;
-  }
+  const DeviceInfo dev = query_device();  // available: cmd_bench checked
   const int64_t m = args.integer("m"), n = args.integer("n"), k = args.integer("k");
   const int reps = int(args.integer("reps")), warmup = int(args.integer("warmup"));
   if (reps < kMinReps) throw Error("--reps must be at least " + std::to_string(kMinReps));

@@ -67,11 +67,7 @@ int bench_quantize(int argc, char** argv, int first) {
     std::cout << args.usage();
     return 0;
   }
-  const DeviceInfo dev = query_device();
-  if (!dev.available) {
-    std::cerr << "flamia bench quantize: " << dev.reason << "\n";
-    return 2;
-  }
+  const DeviceInfo dev = query_device();  // available: cmd_bench checked
   const int64_t tokens = args.integer("tokens");
   const int heads_q = int(args.integer("heads"));
   const int heads_kv = args.str("heads-kv").empty() ? heads_q : int(args.integer("heads-kv"));
