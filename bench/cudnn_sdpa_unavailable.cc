@@ -15,24 +15,6 @@ std::string cudnn_status() {
 std::string cudnn_version() {
   return "unavailable";
 }
-const char* to_string(CudnnLayout l) {
-  return l == CudnnLayout::kRagged ? "ragged" : "padded";
-}
-
-int64_t SdpaProblem::tokens() const {
-  int64_t t = 0;
-  for (int64_t d : docs) t += d;
-  return t;
-}
-int64_t SdpaProblem::max_len() const {
-  int64_t m = 0;
-  for (int64_t d : docs) m = d > m ? d : m;
-  return m;
-}
-int64_t SdpaProblem::rows(CudnnLayout layout) const {
-  return layout == CudnnLayout::kRagged ? tokens() : int64_t(docs.size()) * max_len();
-}
-
 struct CudnnSdpa::Impl {};
 CudnnSdpa::CudnnSdpa(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudnnSdpa::~CudnnSdpa() = default;

@@ -30,6 +30,10 @@ int cmd_bench(int argc, char** argv, int first) {
   const bool has_kind = first < argc && std::strncmp(argv[first], "--", 2) != 0;
   const std::string kind = has_kind ? argv[first] : "attention";
   const int rest = has_kind ? first + 1 : first;
+  if (kind != "attention" && kind != "gemm" && kind != "quantize") {
+    std::cerr << "flamia bench: unknown kind '" << kind << "'\n\n" << kBenchUsage;
+    return 2;
+  }
 #if defined(FLAMIA_HAVE_CUDA)
   bool help = false;
   for (int i = rest; i < argc; ++i)
@@ -40,15 +44,9 @@ int cmd_bench(int argc, char** argv, int first) {
   }
   if (kind == "attention") return bench_attention(argc, argv, rest);
   if (kind == "gemm") return bench_gemm(argc, argv, rest);
-  if (kind == "quantize") return bench_quantize(argc, argv, rest);
-  std::cerr << "flamia bench: unknown kind '" << kind << "'\n\n" << kBenchUsage;
-  return 2;
+  return bench_quantize(argc, argv, rest);
 #else
   (void)rest;
-  if (kind != "attention" && kind != "gemm" && kind != "quantize") {
-    std::cerr << "flamia bench: unknown kind '" << kind << "'\n\n" << kBenchUsage;
-    return 2;
-  }
   std::cerr << "flamia bench: " << query_device().reason << "\n";
   return 2;
 #endif

@@ -13,7 +13,7 @@ int cmd_bench(int argc, char** argv, int first);
 // GPU benchmarks, `flamia bench <kind>`; built only with CUDA.
 int bench_attention(int argc, char** argv, int first);  // cli/bench_attention.cc
 int bench_gemm(int argc, char** argv, int first);       // cli/bench_gemm.cc
-int bench_quantize(int argc, char** argv, int first);  // cli/bench_quantize.cc
+int bench_quantize(int argc, char** argv, int first);   // cli/bench_quantize.cc
 #endif
 
 }  // namespace flamia::cli
