@@ -75,7 +75,7 @@ TEST(Probe, BaselinesLeakOnTheirPositiveControls) {
   const auto vgroup = run_probe(batch, config(ScalePolicy::kVGroup16), all_controls());
   const ProbeOutcome v = outcome(vgroup, ProbeControl::kSuffixSpike);
   EXPECT_TRUE(v.leaks());
-  EXPECT_FALSE(v.lse_exact == false);  // V's scales reach O and dQ, never the scores
+  EXPECT_TRUE(v.lse_exact);  // V's scales reach O and dQ, never the scores
   EXPECT_LE(v.leak_reach, kVGroupTokens - 1);
 }
 
