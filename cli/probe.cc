@@ -25,16 +25,9 @@ Table probe_table(const Problem& problem, const ProbeRun& run) {
   require_backend(problem);
   const AttentionBatch batch = make_batch(problem);
   const PackedLayout layout = batch.layout();
-  int doc = run.target_doc;
-  if (doc < 0) {
-    doc = 0;
-    for (int d = 1; d < layout.num_docs; ++d)
-      if (layout.doc_length(d) > layout.doc_length(doc)) doc = d;
-  }
-  if (doc >= layout.num_docs)
-    throw Error("--target-doc " + std::to_string(doc) + " is past the last document");
+  const ProbeTarget target = resolve_probe_target(layout, run.target_doc, run.prefix_end);
+  const int doc = target.doc, p = target.prefix_end;
   const int L = layout.doc_length(doc);
-  const int p = run.prefix_end >= 0 ? run.prefix_end : default_prefix_end(L);
 
   Table t;
   t.title =

@@ -154,22 +154,29 @@ Change compare_rows(const std::vector<float>& a, int64_t a_begin, const std::vec
 
 }  // namespace
 
-std::vector<ProbeOutcome> run_probe(const AttentionBatch& base, const ProbeConfig& config,
-                                    const std::vector<ProbeControl>& controls) {
-  const PackedLayout layout = base.layout();
-  validate(layout);
-  if (!config.emulator.backward_pass) throw Error("the probe needs the backward pass (dQ)");
-  int doc = config.target_doc;
+ProbeTarget resolve_probe_target(const PackedLayout& layout, int doc, int prefix_end) {
   if (doc < 0) {
     doc = 0;
     for (int d = 1; d < layout.num_docs; ++d)
       if (layout.doc_length(d) > layout.doc_length(doc)) doc = d;
   }
-  if (doc >= layout.num_docs) throw Error("probe target document out of range");
+  if (doc >= layout.num_docs)
+    throw Error("probe target document " + std::to_string(doc) + " is past the last document");
   const int L = layout.doc_length(doc);
   if (L < 2) throw Error("the probe's target document needs at least 2 tokens");
-  const int p = config.prefix_end >= 0 ? config.prefix_end : default_prefix_end(L);
+  const int p = prefix_end >= 0 ? prefix_end : default_prefix_end(L);
   if (p + 1 >= L) throw Error("prefix_end must leave at least one suffix row");
+  return {doc, p};
+}
+
+std::vector<ProbeOutcome> run_probe(const AttentionBatch& base, const ProbeConfig& config,
+                                    const std::vector<ProbeControl>& controls) {
+  const PackedLayout layout = base.layout();
+  validate(layout);
+  if (!config.emulator.backward_pass) throw Error("the probe needs the backward pass (dQ)");
+  const ProbeTarget target = resolve_probe_target(layout, config.target_doc, config.prefix_end);
+  const int doc = target.doc, p = target.prefix_end;
+  const int L = layout.doc_length(doc);
   const int64_t begin = layout.doc_begin(doc);
   const int dim = base.head_dim;
 

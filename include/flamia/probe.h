@@ -41,6 +41,14 @@ struct ProbeConfig {
 // block policy can leak into.
 int default_prefix_end(int doc_length);
 
+// The probed document and last prefix row: `doc` < 0 picks the longest document, `prefix_end` < 0
+// the default above. Throws Error when the document does not exist or has no prefix and suffix.
+struct ProbeTarget {
+  int doc = 0;
+  int prefix_end = 0;
+};
+ProbeTarget resolve_probe_target(const PackedLayout& layout, int doc, int prefix_end);
+
 struct ProbeOutcome {
   ProbeControl control;
   // max |changed - base| / max |base| over the probed rows (the prefix for suffix controls, the
