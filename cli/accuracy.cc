@@ -1,29 +1,71 @@
 #include "accuracy.h"
 
 #include <chrono>
+#include <cmath>
 #include <iostream>
 
 #include "commands.h"
+#include "flamia/device.h"
 #include "flamia/metrics.h"
 #include "flamia/reference.h"
 
 namespace flamia::cli {
 namespace {
 
+const char* kNotBuilt = "\u2014";  // an em dash: a gradient the GPU does not compute yet
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+std::string tiles(const TileShape& t) {
+  return std::to_string(t.block_m) + "x" + std::to_string(t.block_n);
+}
+
+// max |got - ref| over the LSE of rows with visible keys (what AccuracyReport::lse_max_err is).
+template <typename T>
+double lse_max_err(const std::vector<float>& got, const std::vector<T>& ref) {
+  double err = 0;
+  for (size_t i = 0; i < ref.size(); ++i)
+    if (std::isfinite(double(ref[i]))) err = std::max(err, std::fabs(double(got[i]) - ref[i]));
+  return err;
+}
+
 }  // namespace
 
+std::vector<Recipe> resolve_recipes(const Problem& problem, const AccuracyRun& run) {
+  if (!run.recipes.empty()) return run.recipes;
+  std::vector<Recipe> out;
+  if (problem.backend == "cuda" && !built_with_cuda()) require_backend(problem, {});  // why not
+  std::string why;
+  for (Recipe r : kAllRecipes) {
+    std::string reason;
+    if (problem.backend != "cuda" || gpu_supports(problem, {r, run.policy, run.hadamard}, &reason))
+      out.push_back(r);
+    else if (why.empty() || r == Recipe::kMxfp8)
+      why = reason;  // the default recipe's reason names the obstacle best
+  }
+  if (out.empty())
+    throw Error("--backend cuda runs none of the recipes with policy " +
+                std::string(to_string(run.policy)) + ": " + why);
+  return out;
+}
+
 std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& run) {
-  require_backend(problem);
+  const bool gpu = problem.backend == "cuda";
+  const std::vector<Recipe> recipes = resolve_recipes(problem, run);
+  std::vector<GpuVariant> variants;
+  for (Recipe r : recipes) variants.push_back({r, run.policy, run.hadamard});
+  require_backend(problem, variants);
+  const TileShape forward_tiles = gpu ? gpu_forward_tiles() : problem.forward;
+  const std::string emu_label = " [emulator " + tiles(forward_tiles) + "]";
+
   const AttentionBatch batch = make_batch(problem);
   auto t0 = std::chrono::steady_clock::now();
   const AttentionOutputs<double> ref = reference_attention(batch, problem.attention);
   const double ref_seconds = seconds_since(t0);
 
-  Table acc, diag;
+  Table acc, diag, vs;
   acc.title = "accuracy vs FP64 (cosine / relative L2), " + describe(problem) + ", policy " +
               to_string(run.policy) + (run.hadamard ? ", Hadamard-rotated Q/K" : "");
   acc.columns = {"recipe", "cos O",  "cos dQ", "cos dK",  "cos dV", "rL2 O",
@@ -33,47 +75,93 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
       "|sum_j dS| / sum_j |dS|)";
   diag.columns = {"recipe",    "P~->0", "dS->0 dQ", "dS->0 dK", "resid p50", "resid p99",
                   "resid max", "Q->0",  "K->0",     "V->0",     "dO->0",     "max P~"};
-  for (Recipe r : run.recipes) {
+  vs.title = "GPU forward vs the emulator with the kernel's tiles (" + tiles(forward_tiles) +
+             "): the kernel computes the emulator's algorithm";
+  vs.columns = {"recipe",  "cos O",      "rL2 O",     "max |dO|",
+                "O equal", "max |dLSE|", "emu rL2 O", "ratio"};
+  for (size_t k = 0; k < recipes.size(); ++k) {
+    const Recipe r = recipes[k];
+    AttentionOutputs<float> gpu_out;
+    if (gpu) {
+      t0 = std::chrono::steady_clock::now();
+      gpu_out = gpu_forward(batch, problem, variants[k]);
+      const double secs = seconds_since(t0);
+      const Similarity o = compare(gpu_out.o, ref.o);
+      acc.add_row({std::string(to_string(r)) + " [cuda]", fmt(o.cosine, 5), kNotBuilt, kNotBuilt,
+                   kNotBuilt, fmt_sci(o.rel_l2), kNotBuilt, kNotBuilt, kNotBuilt,
+                   fmt_sci(lse_max_err(gpu_out.lse, ref.lse)), fmt(secs, 2)});
+    }
     EmulatorConfig cfg;
     cfg.recipe = r;
     cfg.policy = run.policy;
     cfg.hadamard = run.hadamard;
     cfg.attention = problem.attention;
-    cfg.forward = problem.forward;
+    cfg.forward = forward_tiles;
     cfg.backward = problem.backward;
     t0 = std::chrono::steady_clock::now();
     const EmulatorResult res = emulate(batch, cfg);
     const double secs = seconds_since(t0);
     const AccuracyReport a = accuracy_report(res, ref);
-    acc.add_row({to_string(r), fmt(a.o.cosine, 5), fmt(a.dq.cosine, 5), fmt(a.dk.cosine, 5),
+    const std::string label = std::string(to_string(r)) + (gpu ? emu_label : "");
+    acc.add_row({label, fmt(a.o.cosine, 5), fmt(a.dq.cosine, 5), fmt(a.dk.cosine, 5),
                  fmt(a.dv.cosine, 5), fmt_sci(a.o.rel_l2), fmt_sci(a.dq.rel_l2),
                  fmt_sci(a.dk.rel_l2), fmt_sci(a.dv.rel_l2), fmt_sci(a.lse_max_err), fmt(secs, 2)});
     const bool fp8 = r != Recipe::kBf16;
     auto frac = [&](double x) { return fp8 ? fmt_sci(x) : std::string("-"); };
-    diag.add_row({to_string(r), frac(a.p_underflow_fraction), frac(a.ds_zero_fraction_dq),
+    diag.add_row({label, frac(a.p_underflow_fraction), frac(a.ds_zero_fraction_dq),
                   frac(a.ds_zero_fraction_dk), fmt_sci(a.residual_p50), fmt_sci(a.residual_p99),
                   fmt_sci(a.residual_max), frac(a.operand_underflow_fraction[0]),
                   frac(a.operand_underflow_fraction[1]), frac(a.operand_underflow_fraction[2]),
                   frac(a.operand_underflow_fraction[3]), fmt(res.stats.p_max, 1)});
+    if (gpu) {
+      const std::vector<double> emu_o(res.out.o.begin(), res.out.o.end());
+      const Similarity d = compare(gpu_out.o, emu_o);
+      size_t equal = 0;
+      for (size_t i = 0; i < emu_o.size(); ++i) equal += gpu_out.o[i] == res.out.o[i];
+      vs.add_row({to_string(r), fmt(d.cosine, 6), fmt_sci(d.rel_l2), fmt_sci(d.max_abs_err),
+                  fmt(emu_o.empty() ? 1.0 : double(equal) / double(emu_o.size()), 4),
+                  fmt_sci(lse_max_err(gpu_out.lse, res.out.lse)), fmt_sci(a.o.rel_l2),
+                  fmt(a.o.rel_l2 > 0 ? d.rel_l2 / a.o.rel_l2 : 0.0, 3)});
+    }
   }
   acc.notes.push_back("FP64 reference: " + fmt(ref_seconds, 2) + " s; backend " + problem.backend +
-                      ", tiles fwd " + std::to_string(problem.forward.block_m) + "x" +
-                      std::to_string(problem.forward.block_n) + ", bwd " +
-                      std::to_string(problem.backward.block_m) + "x" +
-                      std::to_string(problem.backward.block_n));
+                      ", tiles fwd " + tiles(forward_tiles) + ", bwd " + tiles(problem.backward));
+  if (gpu) {
+    acc.notes.push_back(
+        "[cuda]: O and LSE of the GPU forward (time: upload, quantize, attention, download; the "
+        "first also starts CUDA); "
+        "GPU backward: not built yet (issue 7), so dQ, dK, dV are " +
+        std::string(kNotBuilt) + ". [emulator]: the CPU emulator with the kernel's forward tiles.");
+    if (problem.forward.block_m != forward_tiles.block_m ||
+        problem.forward.block_n != forward_tiles.block_n)
+      acc.notes.push_back("--fwd-tile " + tiles(problem.forward) +
+                          " ignored: the emulator uses the kernel's tiles to match it");
+    diag.notes.push_back("from the emulator runs (the GPU forward reports no statistics)");
+    vs.notes.push_back(
+        "O equal: fraction of O elements equal in BF16. ratio: rL2(O_gpu - O_emu) / rL2(O_emu - "
+        "O_fp64), the GPU-vs-emulator difference as a "
+        "fraction of the algorithm's own error. They differ only by ex2.approx, summation order "
+        "and the tensor cores' accumulator, which flips the E4M3 rounding of a few P~; "
+        "tests/gpu/test_gpu_attention_fwd.cu bounds each.");
+    return {acc, diag, vs};
+  }
   return {acc, diag};
 }
 
 int cmd_accuracy(int argc, char** argv, int first) {
   std::vector<OptionSpec> specs = problem_options("4096,4096,4096,4096", 16, 128);
-  specs.push_back({"recipes", "bf16,mxfp8,mxfp8-qk16,nvfp4-mixed",
-                   "recipes to emulate: bf16, mxfp8, mxfp8-qk16, nvfp4-mixed"});
-  specs.push_back({"policy", "token", "scale policy: token, block32, tensor, floor, vgroup16"});
+  specs.push_back({"recipes", "",
+                   "recipes: bf16, mxfp8, mxfp8-qk16, nvfp4-mixed (default: all four on cpu; "
+                   "on cuda, those the kernels implement: mxfp8, mxfp8-qk16)"});
+  specs.push_back(
+      {"policy", "token", "scale policy: token, block32, tensor, floor, vgroup16 (cpu only)"});
   specs.push_back({"hadamard", "", "rotate Q and K along the head dim before quantizing", true});
   specs.push_back({"json", "", "print the tables as JSON", true});
   Args args("accuracy",
             "Runs each recipe through the CPU emulator of the microscaled algorithm and compares "
-            "O, dQ, dK, dV and LSE with an FP64 reference on the same BF16 inputs.",
+            "O, dQ, dK, dV and LSE with an FP64 reference on the same BF16 inputs. With "
+            "--backend cuda, each recipe's GPU forward (O, LSE; the GPU backward is not built "
+            "yet) is compared too, with FP64 and with the emulator run with the kernel's tiles.",
             specs, argc, argv, first);
   if (args.help_requested()) {
     std::cout << args.usage();

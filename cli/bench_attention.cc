@@ -1,5 +1,6 @@
-// `flamia bench attention` (the default `flamia bench`): the packed causal workloads, the full
-// training call stage by stage, and the cuDNN peers a user would pick instead, in one run.
+// `flamia bench attention` (the default `flamia bench`): the packed causal workloads, flamia's
+// stages (the fused quantizer, the forward from BF16 and from quantized operands per recipe; the
+// backward arrives with issue 7), and the cuDNN peers a user would pick instead, in one run.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include "commands.h"
 #include "cudnn_sdpa.h"
 #include "device_buffer.h"
+#include "flamia/attention_gpu.h"
 #include "flamia/device.h"
 #include "flamia/quantize_gpu.h"
 #include "flamia/workloads.h"
@@ -58,17 +60,37 @@ struct PeerOutcome {
   double fwd_ms = 0, bwd_ms = 0, call_ms = 0;
 };
 
+// flamia's forward of one recipe: from BF16 (quantizer included) and from quantized operands.
+struct ForwardOutcome {
+  Recipe recipe;
+  bool ok = false;
+  std::string reason;  // why not, when !ok
+  double fwd_ms = 0, kernel_ms = 0;
+};
+
 struct WorkloadResult {
   Workload w;
   std::vector<Stage> stages;
   std::vector<PeerOutcome> peers;
+  std::vector<ForwardOutcome> forwards;  // in Options::recipes order
   double quantize_ms = 0;
 };
 
 struct Options {
   int reps = 30, warmup = 5;
   bool graphs = true;
+  std::vector<Recipe> recipes{Recipe::kMxfp8, Recipe::kMxfp8Qk16};  // flamia forwards timed
 };
+
+// An Error's message without the "flamia: " its constructor adds, to nest it in another.
+std::string bare(const Error& e) {
+  const std::string m = e.what(), prefix = "flamia: ";
+  return m.compare(0, prefix.size(), prefix) == 0 ? m.substr(prefix.size()) : m;
+}
+
+std::string impl_name(Recipe r) {
+  return std::string("flamia ") + to_string(r);
+}
 
 // Everything one workload allocates: BF16 tensors (inputs in kInputSets sets), E4M3 tensors for
 // the FP8 peer, and the packing metadata.
@@ -392,25 +414,83 @@ class Runner {
     }
   }
 
-  void run_flamia(WorkloadResult& r, const Buffers& b) {
+  static DeviceAttentionInputs flamia_inputs(const WorkloadResult& r, const Buffers& b,
+                                             const std::vector<int32_t>& cu, int set) {
+    const int hq = r.w.heads_q, hkv = r.w.heads_kv, d = r.w.head_dim;
+    DeviceAttentionInputs x;
+    x.layout = {cu.data(), int(cu.size()) - 1, r.w.tokens(), hq, hkv, d};
+    x.cu_seqlens = b.cu_seqlens.get<int32_t>();
+    x.q = dense_view<const uint16_t>(b.q[size_t(set)].get<uint16_t>(), hq, d);
+    x.k = dense_view<const uint16_t>(b.k[size_t(set)].get<uint16_t>(), hkv, d);
+    x.v = dense_view<const uint16_t>(b.v[size_t(set)].get<uint16_t>(), hkv, d);
+    x.dout = dense_view<const uint16_t>(b.dout[size_t(set)].get<uint16_t>(), hq, d);
+    return x;
+  }
+
+  void run_flamia(WorkloadResult& r, Buffers& b) {
     const std::vector<int32_t> cu = cu_seqlens_from_lengths(r.w.docs);
     QuantizeOptions opt;  // token policy, transposed copies: what the kernels consume
-    DeviceAttentionInputs in;
-    in.layout = {cu.data(),   int(cu.size()) - 1, r.w.tokens(),
-                 r.w.heads_q, r.w.heads_kv,       r.w.head_dim};
-    in.cu_seqlens = b.cu_seqlens.get<int32_t>();
-    const cuda::QuantizeOutputs out(in.layout, opt, /*backward=*/true);
-    const int hq = r.w.heads_q, hkv = r.w.heads_kv, d = r.w.head_dim;
-    const auto t = time([&](int set) {
-      DeviceAttentionInputs x = in;
-      x.q = dense_view<const uint16_t>(b.q[size_t(set)].get<uint16_t>(), hq, d);
-      x.k = dense_view<const uint16_t>(b.k[size_t(set)].get<uint16_t>(), hkv, d);
-      x.v = dense_view<const uint16_t>(b.v[size_t(set)].get<uint16_t>(), hkv, d);
-      x.dout = dense_view<const uint16_t>(b.dout[size_t(set)].get<uint16_t>(), hq, d);
-      quantize_gpu(x, opt, out.view(), stream_);
-    });
-    add(r, "flamia mxfp8", "quantize Q K V dO (one launch)", "packed", t, 0);
-    r.quantize_ms = t.median_ms;
+    const PackedLayout layout = flamia_inputs(r, b, cu, 0).layout;
+    {
+      const cuda::QuantizeOutputs out(layout, opt, /*backward=*/true);
+      const auto t = time(
+          [&](int set) { quantize_gpu(flamia_inputs(r, b, cu, set), opt, out.view(), stream_); });
+      add(r, "flamia mxfp8", "quantize Q K V dO (one launch)", "packed", t, 0);
+      r.quantize_ms = t.median_ms;
+    }
+    if (opt_.recipes.empty()) return;
+
+    // The forward: O into the BF16 output the peers use, LSE [Hq][T] of its own. The operands of
+    // the kernel-alone stage are quantized once per input set, outside the timing.
+    DeviceBuffer lse(sizeof(float) * size_t(r.w.heads_q * r.w.tokens()));
+    DeviceAttentionOutputs out;
+    out.o = dense_view<uint16_t>(b.o.get<uint16_t>(), r.w.heads_q, r.w.head_dim);
+    out.lse = lse.get<float>();
+    std::vector<std::unique_ptr<cuda::QuantizeOutputs>> quantized;
+    const double ff = r.w.forward_flops();
+    for (Recipe recipe : opt_.recipes) {
+      ForwardOutcome f{recipe};
+      const std::string impl = impl_name(recipe);
+      try {
+        GpuAttentionOptions go;
+        go.recipe = recipe;
+        go.attention.causal = r.w.causal;
+        go.attention.softmax_scale = 1.0 / std::sqrt(double(r.w.head_dim));
+        check_gpu_support(layout, go);
+        GpuAttention attention(layout, go);
+        // One untimed call: allocates the owned quantizer buffers (no allocation may happen
+        // while a CUDA graph is captured) and checks the inputs are finite.
+        attention.forward(flamia_inputs(r, b, cu, 0), out, stream_);
+        attention.quantizer_status().throw_if_any();
+        progress(r.w.name + ": " + impl + ": " + std::to_string(attention.work_items()) +
+                 " work items on " + std::to_string(attention.ctas()) + " CTAs");
+        const auto fwd =
+            time([&](int set) { attention.forward(flamia_inputs(r, b, cu, set), out, stream_); });
+        if (quantized.empty()) {
+          for (int set = 0; set < kInputSets; ++set) {
+            quantized.push_back(std::make_unique<cuda::QuantizeOutputs>(layout, opt, false));
+            DeviceAttentionInputs x = flamia_inputs(r, b, cu, set);
+            x.dout = {};
+            quantize_gpu(x, opt, quantized.back()->view(), stream_);
+          }
+          FLAMIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        }
+        const auto kernel = time([&](int set) {
+          attention.forward(flamia_inputs(r, b, cu, set), quantized[size_t(set)]->view(), out,
+                            stream_);
+        });
+        add(r, impl, "forward from BF16 (quantize Q K V + attention)", "packed", fwd, ff);
+        add(r, impl, "forward kernel (quantized Q K V)", "packed", kernel, ff);
+        f.ok = true;
+        f.fwd_ms = fwd.median_ms;
+        f.kernel_ms = kernel.median_ms;
+      } catch (const Error& e) {
+        f.reason = bare(e);
+        progress(r.w.name + ": " + impl + " forward not run: " + f.reason);
+        cudaGetLastError();  // a failed launch must not poison the next stage
+      }
+      r.forwards.push_back(f);
+    }
   }
 
   Options opt_;
@@ -425,14 +505,17 @@ std::string ms_or(const std::vector<PeerOutcome>& peers, const std::string& impl
   return "-";
 }
 
-Table summary_table(const std::vector<WorkloadResult>& results) {
+Table summary_table(const std::vector<WorkloadResult>& results, const Options& opt) {
   Table t;
   t.title =
       "training-call times (ms; median) and the DESIGN §7 reference ratio (measured / "
       "reference, equal-length workloads)";
   t.columns = {"workload",    "fwd TFLOP",      "BF16 fwd",       "BF16 fwd+bwd", "FP8 fwd",
-               "FP8 fwd+bwd", "FP8 call fresh", "FP8 call calib", "flamia quant", "flamia call",
-               "speedup",     "BF16 vs ref",    "FP8 vs ref"};
+               "FP8 fwd+bwd", "FP8 call fresh", "FP8 call calib", "flamia quant"};
+  for (Recipe recipe : opt.recipes) t.columns.push_back(std::string(to_string(recipe)) + " fwd");
+  if (!opt.recipes.empty()) t.columns.push_back("fwd vs BF16");
+  for (const char* c : {"flamia call", "speedup", "BF16 vs ref", "FP8 vs ref"})
+    t.columns.push_back(c);
   for (const WorkloadResult& r : results) {
     auto peer = [&](const std::string& impl) -> const PeerOutcome* {
       for (const PeerOutcome& p : r.peers)
@@ -449,18 +532,38 @@ Table summary_table(const std::vector<WorkloadResult>& results) {
       if (bf) bf_ref = fmt((bf->fwd_ms + bf->bwd_ms) / it->second.bf16_total, 2);
       if (fresh) fp8_ref = fmt((fresh->fwd_ms + fresh->bwd_ms) / it->second.fp8_total, 2);
     }
-    t.add_row(
-        {r.w.name, fmt(r.w.forward_flops() / kTera, 2), bf ? fmt(bf->fwd_ms, 3) : "unsupported",
-         sum(bf), fresh ? fmt(fresh->fwd_ms, 3) : "unsupported", sum(fresh),
-         fresh ? fmt(fresh->call_ms, 3) : "unsupported", cal ? fmt(cal->call_ms, 3) : "unsupported",
-         fmt(r.quantize_ms, 3), "not built", "-", bf_ref, fp8_ref});
+    std::vector<std::string> row = {r.w.name,
+                                    fmt(r.w.forward_flops() / kTera, 2),
+                                    bf ? fmt(bf->fwd_ms, 3) : "unsupported",
+                                    sum(bf),
+                                    fresh ? fmt(fresh->fwd_ms, 3) : "unsupported",
+                                    sum(fresh),
+                                    fresh ? fmt(fresh->call_ms, 3) : "unsupported",
+                                    cal ? fmt(cal->call_ms, 3) : "unsupported",
+                                    fmt(r.quantize_ms, 3)};
+    // The forward from BF16 (quantizer included); its speedup over cuDNN BF16's forward: the
+    // fastest recipe that ran.
+    double best = 0;
+    for (const ForwardOutcome& f : r.forwards) {
+      row.push_back(f.ok ? fmt(f.fwd_ms, 3) : "unsupported");
+      if (f.ok && (best == 0 || f.fwd_ms < best)) best = f.fwd_ms;
+    }
+    if (!opt.recipes.empty()) row.push_back(bf && best > 0 ? fmt(bf->fwd_ms / best, 2) : "-");
+    for (const std::string& c : {std::string("not built"), std::string("-"), bf_ref, fp8_ref})
+      row.push_back(c);
+    t.add_row(row);
   }
   t.notes.push_back(
       "fwd+bwd: the two cuDNN kernels' medians (what DESIGN §7 reports); FP8 call: amax (fresh "
       "only) and cast of Q K V, forward, amax and cast of dO, backward, timed as one call.");
+  if (!opt.recipes.empty())
+    t.notes.push_back(
+        "<recipe> fwd: flamia's forward from BF16 Q K V (the fused quantizer included, token "
+        "policy); fwd vs BF16: cuDNN BF16 fwd / the fastest of them. The kernel alone is in the "
+        "stage table.");
   t.notes.push_back(
-      "flamia call / speedup over the fastest peer's training call: the attention kernels are "
-      "not built yet (issues 6 and 7); only the fused quantizer is timed.");
+      "flamia call / speedup over the fastest peer's training call: the GPU backward is not "
+      "built yet (issue 7); the quantizer and the forward are timed.");
   return t;
 }
 
@@ -475,6 +578,12 @@ Table stage_table(const std::vector<WorkloadResult>& results) {
                  s.graph ? "yes" : "no"});
     for (const PeerOutcome& p : r.peers)
       if (!p.ok) t.add_row({r.w.name, p.impl, "unsupported: " + p.reason, "-", "-", "-", "-"});
+    for (const ForwardOutcome& f : r.forwards)
+      if (!f.ok)
+        t.add_row(
+            {r.w.name, impl_name(f.recipe), "forward not run: " + f.reason, "-", "-", "-", "-"});
+    t.add_row(
+        {r.w.name, "flamia", "backward, training call", "-", "not built (issue 7)", "-", "-"});
   }
   return t;
 }
@@ -485,10 +594,12 @@ int bench_attention(int argc, char** argv, int first) {
   Args args(
       "bench attention",
       "Times the packed causal workloads (65,536 tokens, 16 query heads, head dim 128): "
-      "flamia's training call stage by stage and, in the same run, cuDNN fused attention "
-      "in BF16 and in FP8 with per-tensor scales (fresh: an amax pass in the call; "
-      "calibrated: scales known beforehand). CUDA events, warm-up, medians, fresh random "
-      "inputs rotated over two sets, CUDA graphs where capture works.",
+      "flamia's stages (the fused quantizer; per recipe, the forward from BF16 inputs, "
+      "quantizer included, and the forward kernel alone on quantized operands; the backward "
+      "is not built yet) and, in the same run, cuDNN fused attention in BF16 and in FP8 with "
+      "per-tensor scales (fresh: an amax pass in the call; calibrated: scales known "
+      "beforehand). CUDA events, warm-up, medians, fresh random inputs rotated over two sets, "
+      "CUDA graphs where capture works.",
       {{"workloads", "all", "comma-separated workload names, or all"},
        {"docs", "", "a custom workload: document lengths (replaces --workloads)"},
        {"heads", "16", "custom workload: query heads"},
@@ -498,6 +609,9 @@ int bench_attention(int argc, char** argv, int first) {
        {"reps", "30", "timed reps per stage (at least 20)"},
        {"warmup", "5", "untimed calls before the reps"},
        {"no-graphs", "", "launch directly instead of replaying CUDA graphs", true},
+       {"recipes", "mxfp8,mxfp8-qk16",
+        "flamia forward recipes to time (those the kernels implement: mxfp8, mxfp8-qk16), or "
+        "none"},
        {"quick", "", "three workloads, 20 reps, 2 warm-ups (for scripts/device-check.sh)", true},
        {"seed", "", "input seed (default: drawn from the clock, so inputs are fresh)"},
        {"csv", "", "also write the stage table to this CSV file"},
@@ -513,6 +627,13 @@ int bench_attention(int argc, char** argv, int first) {
   opt.reps = int(args.integer("reps"));
   opt.warmup = int(args.integer("warmup"));
   opt.graphs = !args.flag("no-graphs");
+  opt.recipes.clear();
+  if (args.str("recipes") != "none")
+    for (const std::string& name : args.strings("recipes")) {
+      const Recipe recipe = parse_recipe(name);
+      if (std::find(opt.recipes.begin(), opt.recipes.end(), recipe) == opt.recipes.end())
+        opt.recipes.push_back(recipe);
+    }
   std::vector<Workload> workloads;
   if (!args.str("docs").empty()) {
     Workload w;
@@ -536,6 +657,21 @@ int bench_attention(int argc, char** argv, int first) {
     for (const std::string& n : args.strings("workloads")) workloads.push_back(workload_by_name(n));
   }
   if (opt.reps < kMinReps) throw Error("--reps must be at least " + std::to_string(kMinReps));
+  // Every forward must be one the kernels implement: say so now, not after the peers ran.
+  for (const Workload& w : workloads)
+    for (Recipe recipe : opt.recipes) {
+      const std::vector<int32_t> cu = cu_seqlens_from_lengths(w.docs);
+      GpuAttentionOptions go;
+      go.recipe = recipe;
+      go.attention.causal = w.causal;
+      try {
+        check_gpu_support(
+            {cu.data(), int(cu.size()) - 1, w.tokens(), w.heads_q, w.heads_kv, w.head_dim}, go);
+      } catch (const Error& e) {
+        throw Error("--recipes " + std::string(to_string(recipe)) + " on workload " + w.name +
+                    ": " + bare(e) + " (--recipes none times the peers only)");
+      }
+    }
   if (const std::string s = bench::cudnn_status(); !s.empty())
     std::cerr << "flamia bench: cuDNN peers unavailable: " << s << "\n";
   const uint64_t seed = args.str("seed").empty()
@@ -551,7 +687,7 @@ int bench_attention(int argc, char** argv, int first) {
   }
   FLAMIA_CUDA_CHECK(cudaStreamDestroy(stream));
 
-  Table summary = summary_table(results), stages = stage_table(results);
+  Table summary = summary_table(results, opt), stages = stage_table(results);
   const std::string header = dev.name + ", cuDNN " + bench::cudnn_version() + ", " +
                              std::to_string(opt.reps) + " reps after " +
                              std::to_string(opt.warmup) + " warm-ups, seed " + std::to_string(seed);

@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "commands.h"
+#include "flamia/device.h"
 
 namespace flamia::cli {
 namespace {
@@ -21,8 +22,30 @@ ProbeControl parse_control(const std::string& name) {
 
 }  // namespace
 
+std::vector<ScalePolicy> resolve_policies(const Problem& problem, const ProbeRun& run) {
+  if (!run.policies.empty()) return run.policies;
+  std::vector<ScalePolicy> out;
+  if (problem.backend == "cuda" && !built_with_cuda()) require_backend(problem, {});  // why not
+  std::string why;
+  for (ScalePolicy p : kAllScalePolicies) {
+    std::string reason;
+    if (problem.backend != "cuda" || gpu_supports(problem, {run.recipe, p, run.hadamard}, &reason))
+      out.push_back(p);
+    else if (why.empty() || p == ScalePolicy::kToken)
+      why = reason;  // the default policy's reason names the obstacle best
+  }
+  if (out.empty())
+    throw Error("--backend cuda runs recipe " + std::string(to_string(run.recipe)) +
+                " with none of the policies: " + why);
+  return out;
+}
+
 Table probe_table(const Problem& problem, const ProbeRun& run) {
-  require_backend(problem);
+  const bool gpu = problem.backend == "cuda";
+  const std::vector<ScalePolicy> policies = resolve_policies(problem, run);
+  std::vector<GpuVariant> variants;
+  for (ScalePolicy p : policies) variants.push_back({run.recipe, p, run.hadamard});
+  require_backend(problem, variants);
   const AttentionBatch batch = make_batch(problem);
   const PackedLayout layout = batch.layout();
   const ProbeTarget target = resolve_probe_target(layout, run.target_doc, run.prefix_end);
@@ -34,9 +57,10 @@ Table probe_table(const Problem& problem, const ProbeRun& run) {
       "causal-leakage probe (max |change| / max |value| over the probed rows; 0 = bitwise "
       "identical), recipe " +
       std::string(to_string(run.recipe)) + (run.hadamard ? " + Hadamard" : "") + ", " +
-      describe(problem);
+      describe(problem) + (gpu ? ", GPU forward" : "");
   t.columns = {"policy", "control", "dO", "dLSE", "ddQ", "reach", "verdict"};
-  for (ScalePolicy policy : run.policies) {
+  for (size_t k = 0; k < policies.size(); ++k) {
+    const ScalePolicy policy = policies[k];
     ProbeConfig cfg;
     cfg.emulator.recipe = run.recipe;
     cfg.emulator.policy = policy;
@@ -46,9 +70,15 @@ Table probe_table(const Problem& problem, const ProbeRun& run) {
     cfg.emulator.backward = problem.backward;
     cfg.target_doc = doc;
     cfg.prefix_end = p;
-    for (const ProbeOutcome& o : run_probe(batch, cfg, run.controls)) {
+    const GpuVariant variant = variants[k];
+    const std::vector<ProbeOutcome> outcomes =
+        gpu ? run_probe(batch, cfg, run.controls,
+                        [&](const AttentionBatch& b) { return gpu_forward(b, problem, variant); })
+            : run_probe(batch, cfg, run.controls);
+    for (const ProbeOutcome& o : outcomes) {
       t.add_row({to_string(policy), to_string(o.control), change(o.o_change, o.o_exact),
-                 change(o.lse_change, o.lse_exact), change(o.dq_change, o.dq_exact),
+                 change(o.lse_change, o.lse_exact),
+                 o.dq_probed ? change(o.dq_change, o.dq_exact) : std::string("not probed"),
                  is_suffix_control(o.control) ? std::to_string(o.leak_reach) : "-",
                  o.leaks() ? "LEAK" : "none"});
     }
@@ -60,17 +90,24 @@ Table probe_table(const Problem& problem, const ProbeRun& run) {
   t.notes.push_back(
       "reach: first perturbed row minus the earliest changed prefix row "
       "(0 = no change; a block policy's residue is at most 31).");
+  if (gpu)
+    t.notes.push_back(
+        "GPU forward: O and LSE probed bitwise; dQ not probed (GPU backward: not built yet, "
+        "issue 7).");
   return t;
 }
 
 int cmd_probe(int argc, char** argv, int first) {
   std::vector<OptionSpec> specs = problem_options("300,77,650", 2, 64);
-  specs.push_back({"policies", "token,block32,tensor,floor,vgroup16", "scale policies to probe"});
+  specs.push_back({"policies", "",
+                   "scale policies to probe: token, block32, tensor, floor, vgroup16 (default: "
+                   "all five on cpu; on cuda, those the kernels implement: all but vgroup16)"});
   specs.push_back({"controls",
                    "suffix-random,suffix-double,suffix-spike,other-document,move-aligned,"
                    "move-unaligned",
                    "perturbations (DESIGN §5)"});
-  specs.push_back({"recipe", "mxfp8", "recipe: bf16, mxfp8, mxfp8-qk16, nvfp4-mixed"});
+  specs.push_back({"recipe", "mxfp8",
+                   "recipe: bf16, mxfp8, mxfp8-qk16, nvfp4-mixed (cuda: mxfp8, mxfp8-qk16)"});
   specs.push_back({"hadamard", "", "rotate Q and K along the head dim before quantizing", true});
   specs.push_back({"target-doc", "-1", "document probed (-1: the longest)"});
   specs.push_back(
@@ -80,7 +117,7 @@ int cmd_probe(int argc, char** argv, int first) {
             "Perturbs a document's suffix (crossing scale exponents and the E4M3 subnormal "
             "boundary), another document, and the document's offset, and reports whether the "
             "prefix's O, LSE and dQ change, per scale policy. The contract is bitwise: any "
-            "change is a LEAK.",
+            "change is a LEAK. --backend cuda probes the GPU forward: O and LSE.",
             specs, argc, argv, first);
   if (args.help_requested()) {
     std::cout << args.usage();

@@ -2,8 +2,35 @@
 
 #include <sstream>
 
+#include "flamia/device.h"
+#if defined(FLAMIA_HAVE_CUDA)
+#include "flamia/attention_gpu.h"
+#endif
+
 namespace flamia::cli {
 namespace {
+
+// An Error's message without the "flamia: " its constructor adds, to nest it in another.
+std::string bare(const Error& e) {
+  const std::string m = e.what(), prefix = "flamia: ";
+  return m.compare(0, prefix.size(), prefix) == 0 ? m.substr(prefix.size()) : m;
+}
+
+std::string describe(const GpuVariant& v) {
+  return std::string(to_string(v.recipe)) + ", policy " + to_string(v.policy) +
+         (v.hadamard ? ", Hadamard" : "");
+}
+
+#if defined(FLAMIA_HAVE_CUDA)
+GpuAttentionOptions gpu_options(const Problem& p, const GpuVariant& v) {
+  GpuAttentionOptions o;
+  o.recipe = v.recipe;
+  o.policy = v.policy;
+  o.hadamard = v.hadamard;
+  o.attention = p.attention;
+  return o;
+}
+#endif
 
 TileShape parse_tile(const std::string& s, const char* name) {
   TileShape t;
@@ -29,9 +56,10 @@ std::vector<OptionSpec> problem_options(const std::string& docs, int heads, int 
       {"seed", "1", "input seed"},
       {"non-causal", "", "attend to the whole document (default: causal)", true},
       {"softmax-scale", "0", "softmax scale (0: 1/sqrt(dim))"},
-      {"fwd-tile", "128x128", "emulator forward tile, query rows x keys"},
+      {"fwd-tile", "128x128", "emulator forward tile, query rows x keys (cuda: the kernel's)"},
       {"bwd-tile", "64x128", "emulator backward tile, query rows x keys"},
-      {"backend", "cpu", "cpu (the emulator) or cuda (the sm_90a kernels)"},
+      {"backend", "cpu",
+       "cpu (the emulator) or cuda (the sm_90a forward, next to the emulator with its tiles)"},
   };
 }
 
@@ -58,11 +86,57 @@ Problem parse_problem(const Args& a) {
   return p;
 }
 
-void require_backend(const Problem& p) {
-  if (p.backend == "cuda")
-    throw Error(
-        "--backend cuda: the GPU attention kernels are not built yet (they arrive with the "
-        "forward and backward kernel issues); use --backend cpu");
+void require_backend(const Problem& p, const std::vector<GpuVariant>& variants) {
+  if (p.backend != "cuda") return;
+  if (!built_with_cuda()) throw Error("--backend cuda: " + query_device().reason);
+  for (const GpuVariant& v : variants) require_gpu_support(p, v);
+  const DeviceInfo dev = query_device();
+  if (!dev.available) throw Error("--backend cuda: " + dev.reason + "; use --backend cpu");
+}
+
+bool gpu_supports(const Problem& p, const GpuVariant& v, std::string* reason) {
+#if defined(FLAMIA_HAVE_CUDA)
+  const std::vector<int32_t> cu = cu_seqlens_from_lengths(p.docs);
+  const PackedLayout layout{cu.data(), int(cu.size()) - 1, int64_t(cu.back()),
+                            p.heads,   p.kv_heads,         p.dim};
+  try {
+    check_gpu_support(layout, gpu_options(p, v));
+  } catch (const Error& e) {
+    *reason = bare(e);
+    return false;
+  }
+  return true;
+#else
+  (void)p;
+  (void)v;
+  *reason = query_device().reason;
+  return false;
+#endif
+}
+
+void require_gpu_support(const Problem& p, const GpuVariant& v) {
+  std::string reason;
+  if (!gpu_supports(p, v, &reason))
+    throw Error("--backend cuda cannot run " + describe(v) + ": " + reason);
+}
+
+AttentionOutputs<float> gpu_forward(const AttentionBatch& batch, const Problem& p,
+                                    const GpuVariant& v) {
+#if defined(FLAMIA_HAVE_CUDA)
+  return forward_gpu_to_host(batch, gpu_options(p, v));
+#else
+  (void)batch;
+  require_gpu_support(p, v);  // throws: no kernels in this build
+  return {};
+#endif
+}
+
+TileShape gpu_forward_tiles() {
+#if defined(FLAMIA_HAVE_CUDA)
+  return kGpuForwardTiles;
+#else
+  return TileShape{};
+#endif
 }
 
 AttentionBatch make_batch(const Problem& p) {

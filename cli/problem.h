@@ -1,5 +1,5 @@
-// Options shared by the CPU-side commands (accuracy, probe, demo): the packed batch, the inputs,
-// the attention variant and the backend.
+// Options shared by the accuracy commands (accuracy, probe, demo): the packed batch, the inputs,
+// the attention variant and the backend (the CPU emulator, or the sm_90a kernels).
 #pragma once
 
 #include <string>
@@ -23,8 +23,28 @@ struct Problem {
 // The option table; `docs` is the default document list.
 std::vector<OptionSpec> problem_options(const std::string& docs, int heads, int dim);
 Problem parse_problem(const Args& args);
-// Throws Error unless the backend is usable ("cpu" always; "cuda" once the GPU kernels land).
-void require_backend(const Problem& p);
+// What the GPU forward runs besides the problem itself.
+struct GpuVariant {
+  Recipe recipe = Recipe::kMxfp8;
+  ScalePolicy policy = ScalePolicy::kToken;
+  bool hadamard = false;
+};
+
+// Throws Error unless the backend can run `variants`: "cpu" always; "cuda" when flamia was built
+// with CUDA, the kernels implement every variant (require_gpu_support) and a Hopper GPU is present,
+// checked in that order so the message names the first obstacle.
+void require_backend(const Problem& p, const std::vector<GpuVariant>& variants);
+// Whether the GPU kernels implement the variant on this problem (recipe, policy, head dim); when
+// not, `reason` gets why. Needs no GPU. False with the reason in a build without CUDA.
+bool gpu_supports(const Problem& p, const GpuVariant& v, std::string* reason);
+// Throws Error naming the variant and the reason unless gpu_supports.
+void require_gpu_support(const Problem& p, const GpuVariant& v);
+// The GPU forward of `batch` (flamia/attention_gpu.h): O and LSE; dQ, dK, dV empty. Synchronises.
+AttentionOutputs<float> gpu_forward(const AttentionBatch& batch, const Problem& p,
+                                    const GpuVariant& v);
+// The tiles with which the emulator reproduces the GPU forward (kGpuForwardTiles).
+TileShape gpu_forward_tiles();
+
 AttentionBatch make_batch(const Problem& p);
 std::string describe(const Problem& p);  // one line: documents, heads, dim, inputs, mask
 

@@ -45,21 +45,33 @@ std::string json_escape(const std::string& s) {
   return out;
 }
 
+namespace {
+
+// Columns a UTF-8 string takes in a terminal (one per code point: no wide characters here).
+size_t display_width(const std::string& s) {
+  size_t n = 0;
+  for (char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
+  return n;
+}
+
+}  // namespace
+
 void Table::print_text(std::ostream& os) const {
   std::vector<size_t> width(columns.size());
-  for (size_t c = 0; c < columns.size(); ++c) width[c] = columns[c].size();
+  for (size_t c = 0; c < columns.size(); ++c) width[c] = display_width(columns[c]);
   for (const auto& r : rows)
     for (size_t c = 0; c < r.size() && c < width.size(); ++c)
-      width[c] = std::max(width[c], r[c].size());
+      width[c] = std::max(width[c], display_width(r[c]));
   if (!title.empty()) os << title << "\n";
   auto line = [&](const std::vector<std::string>& cells) {
     for (size_t c = 0; c < width.size(); ++c) {
       const std::string& s = c < cells.size() ? cells[c] : std::string();
       // First column left-aligned (names), the rest right-aligned (numbers).
+      const size_t pad = width[c] - display_width(s);
       if (c == 0) {
-        os << s << std::string(width[c] - s.size(), ' ');
+        os << s << std::string(pad, ' ');
       } else {
-        os << "  " << std::string(width[c] - s.size(), ' ') << s;
+        os << "  " << std::string(pad, ' ') << s;
       }
     }
     os << "\n";

@@ -30,7 +30,9 @@ void forward_task(const Problem& p, int doc, int head_q, AttentionOutputs<float>
     std::fill(R.begin(), R.end(), kNoExponent);
     std::fill(acc.begin(), acc.end(), 0.0f);
     const int key_end = causal ? m0 + rows : L;
-    for (int n0 = 0; n0 < key_end; n0 += BN) {
+    // Key tiles from the last visible one (the masked one) down to the first, as the kernel runs
+    // them: the order fixes every rescale and so the E4M3 rounding of each P~.
+    for (int n0 = (key_end - 1) / BN * BN; n0 >= 0; n0 -= BN) {
       const int cols = std::min(BN, L - n0);
       tile_product_abt(ops.sq, m0, rows, ops.sk, n0, cols, s.data());
       for (int r = 0; r < rows; ++r) {

@@ -152,6 +152,25 @@ Change compare_rows(const std::vector<float>& a, int64_t a_begin, const std::vec
   return c;
 }
 
+// Runs one batch and checks the shapes of what the runner returned. `dq_expected` (null for the
+// base run) says whether the base run returned dQ: every run must agree with it.
+AttentionOutputs<float> checked_run(const ProbeRunner& runner, const AttentionBatch& b,
+                                    const bool* dq_expected) {
+  AttentionOutputs<float> out = runner(b);
+  const size_t rows = size_t(b.tokens) * size_t(b.heads_q);
+  const size_t values = rows * size_t(b.head_dim);
+  if (out.o.size() != values || out.lse.size() != rows)
+    throw Error("probe runner returned O of " + std::to_string(out.o.size()) + " and LSE of " +
+                std::to_string(out.lse.size()) + " values; expected " + std::to_string(values) +
+                " and " + std::to_string(rows));
+  if (!out.dq.empty() && out.dq.size() != values)
+    throw Error("probe runner returned dQ of " + std::to_string(out.dq.size()) +
+                " values; expected " + std::to_string(values) + " or none");
+  if (dq_expected && *dq_expected != !out.dq.empty())
+    throw Error("probe runner returned dQ for some batches and not for others");
+  return out;
+}
+
 }  // namespace
 
 ProbeTarget resolve_probe_target(const PackedLayout& layout, int doc, int prefix_end) {
@@ -169,18 +188,30 @@ ProbeTarget resolve_probe_target(const PackedLayout& layout, int doc, int prefix
   return {doc, p};
 }
 
+ProbeRunner emulator_runner(const EmulatorConfig& emulator) {
+  return [emulator](const AttentionBatch& b) { return emulate(b, emulator).out; };
+}
+
 std::vector<ProbeOutcome> run_probe(const AttentionBatch& base, const ProbeConfig& config,
                                     const std::vector<ProbeControl>& controls) {
+  if (!config.emulator.backward_pass) throw Error("the probe needs the backward pass (dQ)");
+  return run_probe(base, config, controls, emulator_runner(config.emulator));
+}
+
+std::vector<ProbeOutcome> run_probe(const AttentionBatch& base, const ProbeConfig& config,
+                                    const std::vector<ProbeControl>& controls,
+                                    const ProbeRunner& runner) {
   const PackedLayout layout = base.layout();
   validate(layout);
-  if (!config.emulator.backward_pass) throw Error("the probe needs the backward pass (dQ)");
+  if (!runner) throw Error("run_probe: the runner is empty");
   const ProbeTarget target = resolve_probe_target(layout, config.target_doc, config.prefix_end);
   const int doc = target.doc, p = target.prefix_end;
   const int L = layout.doc_length(doc);
   const int64_t begin = layout.doc_begin(doc);
   const int dim = base.head_dim;
 
-  const EmulatorResult ref = emulate(base, config.emulator);
+  const AttentionOutputs<float> ref = checked_run(runner, base, nullptr);
+  const bool dq_probed = !ref.dq.empty();
   std::vector<ProbeOutcome> outcomes;
   for (ProbeControl control : controls) {
     AttentionBatch b = base;
@@ -221,22 +252,25 @@ std::vector<ProbeOutcome> run_probe(const AttentionBatch& base, const ProbeConfi
         break;
       }
     }
-    const EmulatorResult got = emulate(b, config.emulator);
+    const AttentionOutputs<float> got = checked_run(runner, b, &dq_probed);
     const int hq = base.heads_q;
-    const Change o = compare_rows(ref.out.o, begin, got.out.o, new_begin, rows, hq, dim, false,
-                                  base.tokens, b.tokens);
-    const Change lse = compare_rows(ref.out.lse, begin, got.out.lse, new_begin, rows, hq, 1, true,
-                                    base.tokens, b.tokens);
-    const Change dq = compare_rows(ref.out.dq, begin, got.out.dq, new_begin, rows, hq, dim, false,
-                                   base.tokens, b.tokens);
+    const Change o =
+        compare_rows(ref.o, begin, got.o, new_begin, rows, hq, dim, false, base.tokens, b.tokens);
+    const Change lse =
+        compare_rows(ref.lse, begin, got.lse, new_begin, rows, hq, 1, true, base.tokens, b.tokens);
+    Change dq;
+    if (dq_probed)
+      dq = compare_rows(ref.dq, begin, got.dq, new_begin, rows, hq, dim, false, base.tokens,
+                        b.tokens);
     ProbeOutcome out;
     out.control = control;
     out.o_change = o.rel;
     out.lse_change = lse.rel;
-    out.dq_change = dq.rel;
     out.o_exact = o.exact;
     out.lse_exact = lse.exact;
-    out.dq_exact = dq.exact;
+    out.dq_probed = dq_probed;
+    out.dq_change = dq_probed ? dq.rel : std::nan("");
+    out.dq_exact = dq_probed && dq.exact;
     if (is_suffix_control(control)) {
       int64_t first = -1;
       for (const Change& c : {o, lse, dq})

@@ -215,7 +215,7 @@ uint8_t e2m1_grid_as_e4m3(float x, int e) {
 E4M3Operand quantize_e4m3(const RowReader& reader, const PackedLayout& pl, int heads,
                           ScalePolicy policy, bool transposed, int64_t* first_bad) {
   E4M3Operand out;
-  out.layout = QuantLayout::make(pl.tokens, heads, reader.dim);
+  out.layout = QuantLayout::make(pl.tokens, heads, reader.dim, pl.num_docs);
   const QuantLayout& l = out.layout;
   const int64_t rows = pl.tokens * heads;
   RowStats stats = collect_row_amax(reader, pl.tokens, heads);
@@ -243,11 +243,16 @@ E4M3Operand quantize_e4m3(const RowReader& reader, const PackedLayout& pl, int h
       }
     }
   }
-  if (transposed) {
+  if (transposed) {  // every position without a token keeps code 0
     out.codes_t.assign(size_t(l.num_codes_t()), 0);
-    for (int64_t t = 0; t < l.tokens; ++t)
-      for (int h = 0; h < heads; ++h)
-        for (int d = 0; d < l.dim; ++d) out.codes_t[l.code_t(h, d, t)] = out.codes[l.code(t, h, d)];
+    for (int b = 0; b < pl.num_docs; ++b) {
+      const int64_t begin = pl.doc_begin(b), pos = transposed_doc_begin(begin, b);
+      for (int r = 0; r < pl.doc_length(b); ++r)
+        for (int h = 0; h < heads; ++h)
+          for (int d = 0; d < l.dim; ++d)
+            out.codes_t[l.code_t(h, d, pos + transposed_slot(r))] =
+                out.codes[l.code(begin + r, h, d)];
+    }
   }
   return out;
 }
@@ -262,9 +267,10 @@ uint8_t nvfp4_local_scale(float amax, int e) {
   return c;
 }
 
-Nvfp4Operand quantize_nvfp4(const RowReader& reader, int64_t tokens, int heads) {
+Nvfp4Operand quantize_nvfp4(const RowReader& reader, const PackedLayout& pl, int heads) {
+  const int64_t tokens = pl.tokens;
   Nvfp4Operand out;
-  out.layout = QuantLayout::make(tokens, heads, reader.dim);
+  out.layout = QuantLayout::make(tokens, heads, reader.dim, pl.num_docs);
   const QuantLayout& l = out.layout;
   out.packed.assign(size_t(tokens * heads * l.dim / 2), 0);
   out.local_scales.assign(size_t(tokens * heads * l.dim / kNvfp4GroupSize), 0);
@@ -317,8 +323,8 @@ QuantizedAttention quantize_cpu(const AttentionInputs& in, const QuantizeOptions
   run(Operand::kV, in.v, pl.heads_kv, &out.v);
   if (in.dout.data != nullptr) run(Operand::kDO, in.dout, pl.heads_q, &out.dout);
   if (options.nvfp4_qk) {
-    out.q4 = quantize_nvfp4(RowReader{in.q, pl.head_dim, options.hadamard}, pl.tokens, pl.heads_q);
-    out.k4 = quantize_nvfp4(RowReader{in.k, pl.head_dim, options.hadamard}, pl.tokens, pl.heads_kv);
+    out.q4 = quantize_nvfp4(RowReader{in.q, pl.head_dim, options.hadamard}, pl, pl.heads_q);
+    out.k4 = quantize_nvfp4(RowReader{in.k, pl.head_dim, options.hadamard}, pl, pl.heads_kv);
   }
   return out;
 }

@@ -3,6 +3,8 @@
 // 31-token residue.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "flamia/probe.h"
 
 namespace flamia {
@@ -77,6 +79,64 @@ TEST(Probe, BaselinesLeakOnTheirPositiveControls) {
   EXPECT_TRUE(v.leaks());
   EXPECT_TRUE(v.lse_exact);  // V's scales reach O and dQ, never the scores
   EXPECT_LE(v.leak_reach, kVGroupTokens - 1);
+}
+
+// The runner is a parameter (the GPU forward plugs in here): the emulator passed as a runner gives
+// the default's outcomes; a runner without dQ (the GPU forward's shape) reports dQ as not probed,
+// never as exact, and still finds block32's leak through O and LSE; malformed outputs throw.
+TEST(Probe, RunnerIsAParameter) {
+  const AttentionBatch batch = probe_batch();
+  const ProbeConfig block = config(ScalePolicy::kBlock32);
+  const auto direct = run_probe(batch, block, all_controls());
+  const auto through = run_probe(batch, block, all_controls(), emulator_runner(block.emulator));
+  ASSERT_EQ(direct.size(), through.size());
+  for (size_t i = 0; i < direct.size(); ++i) {
+    const ProbeOutcome &a = direct[i], &b = through[i];
+    EXPECT_EQ(a.control, b.control);
+    EXPECT_EQ(a.o_change, b.o_change) << to_string(a.control);
+    EXPECT_EQ(a.lse_change, b.lse_change) << to_string(a.control);
+    EXPECT_EQ(a.dq_change, b.dq_change) << to_string(a.control);
+    EXPECT_EQ(a.leaks(), b.leaks()) << to_string(a.control);
+    EXPECT_EQ(a.leak_reach, b.leak_reach) << to_string(a.control);
+    EXPECT_TRUE(b.dq_probed);
+  }
+
+  // Forward only: O and LSE probed, dQ not.
+  ProbeConfig token = config(ScalePolicy::kToken);
+  EmulatorConfig forward_only = token.emulator;
+  forward_only.backward_pass = false;
+  for (const ProbeOutcome& o :
+       run_probe(batch, token, all_controls(), emulator_runner(forward_only))) {
+    EXPECT_FALSE(o.dq_probed) << to_string(o.control);
+    EXPECT_FALSE(o.dq_exact) << to_string(o.control) << ": an unprobed dQ is never exact";
+    EXPECT_TRUE(std::isnan(o.dq_change)) << to_string(o.control);
+    EXPECT_TRUE(o.o_exact && o.lse_exact) << to_string(o.control);
+    EXPECT_FALSE(o.leaks()) << to_string(o.control);
+  }
+  forward_only.policy = ScalePolicy::kBlock32;
+  const auto fwd_block = run_probe(batch, block, all_controls(), emulator_runner(forward_only));
+  const ProbeOutcome spike = outcome(fwd_block, ProbeControl::kSuffixSpike);
+  EXPECT_TRUE(spike.leaks());
+  EXPECT_GT(spike.leak_reach, 0);
+  EXPECT_LE(spike.leak_reach, kBlockTokens - 1);
+
+  // The default runner needs dQ; a runner's outputs must have the batch's shapes, and dQ for
+  // every batch or for none.
+  token.emulator.backward_pass = false;
+  EXPECT_THROW(run_probe(batch, token, all_controls()), Error);
+  const ProbeRunner truncated = [&](const AttentionBatch& b) {
+    AttentionOutputs<float> out = emulate(b, forward_only).out;
+    out.lse.pop_back();
+    return out;
+  };
+  EXPECT_THROW(run_probe(batch, block, all_controls(), truncated), Error);
+  int calls = 0;
+  const ProbeRunner inconsistent = [&](const AttentionBatch& b) {
+    AttentionOutputs<float> out = emulate(b, block.emulator).out;
+    if (calls++ > 0) out.dq.clear();
+    return out;
+  };
+  EXPECT_THROW(run_probe(batch, block, all_controls(), inconsistent), Error);
 }
 
 TEST(Probe, RejectsDocumentsTooShortToProbe) {

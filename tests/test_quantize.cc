@@ -24,6 +24,47 @@ uint16_t bf(double x) {
   return bf16::encode(float(x));
 }
 
+// codes_t's layout from its definition (quantize.h), independent of the library's helpers:
+// document b starts at round_up(cu[b] + 15 b, 16); slot k of each 16-position group holds the
+// group's token kSlotToken[k]; the buffer has round_up(T + 15 num_docs, 16) positions.
+constexpr int kSlotToken[16] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
+
+int64_t ref_round16(int64_t x) {
+  int64_t r = x;
+  while (r % 16 != 0) ++r;
+  return r;
+}
+int64_t ref_transposed_tokens(const std::vector<int32_t>& cu) {
+  const int64_t docs = int64_t(cu.size()) - 1;
+  return ref_round16(cu.back() + 15 * docs);
+}
+int64_t ref_doc_start(const std::vector<int32_t>& cu, int b) {
+  return ref_round16(cu[b] + 15 * int64_t(b));
+}
+// Position of every token (document-relative token 16 g + kSlotToken[k] at 16 g + k).
+std::vector<int64_t> ref_token_positions(const std::vector<int32_t>& cu) {
+  std::vector<int64_t> pos(size_t(cu.back()), -1);
+  for (int b = 0; b + 1 < int(cu.size()); ++b)
+    for (int64_t g = 0; 16 * g < cu[b + 1] - cu[b]; ++g)
+      for (int k = 0; k < 16; ++k) {
+        const int64_t r = 16 * g + kSlotToken[k];
+        if (cu[b] + r < cu[b + 1]) pos[size_t(cu[b] + r)] = ref_doc_start(cu, b) + 16 * g + k;
+      }
+  return pos;
+}
+// Expected codes_t: [H][D][Tt], the token's code at its position, 0 everywhere else.
+std::vector<uint8_t> ref_codes_t(const E4M3Operand& o, const std::vector<int32_t>& cu) {
+  const int64_t tt = ref_transposed_tokens(cu);
+  const std::vector<int64_t> pos = ref_token_positions(cu);
+  std::vector<uint8_t> want(size_t(int64_t(o.layout.heads) * o.layout.dim * tt), 0);
+  for (int64_t t = 0; t < int64_t(pos.size()); ++t)
+    for (int h = 0; h < o.layout.heads; ++h)
+      for (int d = 0; d < o.layout.dim; ++d)
+        want[size_t((int64_t(h) * o.layout.dim + d) * tt + pos[t])] =
+            o.codes[o.layout.code(t, h, d)];
+  return want;
+}
+
 // Plants the adversarial cases of DESIGN §3 into a batch: exact powers of two, maxima exactly at
 // and just above 448 * 2^e, subnormal-sized values, all-zero rows and a whole all-zero document,
 // and mixed signs.
@@ -206,14 +247,11 @@ TEST_P(QuantizePolicy, ExponentsCodesAndErrorsMatchTheDefinition) {
         }
     }
 
-    // Transposed copy: the same codes, tokens contiguous, zero padding; exponent padding fixed.
+    // Transposed copy: the same codes at codes_t's positions, zeros elsewhere; exponent padding
+    // fixed.
+    ASSERT_EQ(o.layout.tokens_t, ref_transposed_tokens(b.cu_seqlens));
     ASSERT_EQ(int64_t(o.codes_t.size()), o.layout.num_codes_t());
-    for (int h = 0; h < heads; ++h)
-      for (int d = 0; d < dim; ++d)
-        for (int64_t t = 0; t < o.layout.tokens_padded; ++t) {
-          const uint8_t want = t < b.tokens ? o.codes[o.layout.code(t, h, d)] : 0;
-          ASSERT_EQ(o.codes_t[o.layout.code_t(h, d, t)], want);
-        }
+    ASSERT_TRUE(o.codes_t == ref_codes_t(o, b.cu_seqlens));
     for (int h = 0; h < heads; ++h)
       for (int64_t t = b.tokens; t < o.layout.tokens_padded; ++t)
         ASSERT_EQ(o.exponents[o.layout.exponent(h, t)], kPaddingExponentCode);
@@ -228,6 +266,93 @@ INSTANTIATE_TEST_SUITE_P(AllPolicies, QuantizePolicy,
                                   (std::get<1>(info.param) ? "_rotated" : "") + "_d" +
                                   std::to_string(std::get<2>(info.param));
                          });
+
+TEST(QuantizeTransposed, HelpersMatchTheDefinition) {
+  for (int r = 0; r < 200; ++r)
+    EXPECT_EQ(
+        transposed_slot(r), r / 16 * 16 +
+                                [&] {
+                                  for (int k = 0; k < 16; ++k)
+                                    if (kSlotToken[k] == r % 16) return k;
+                                  return -1;
+                                }())
+        << r;
+  for (int64_t begin : {0, 1, 15, 16, 17, 100, 1000003})
+    for (int doc : {0, 1, 2, 15, 16, 17, 999})
+      EXPECT_EQ(transposed_doc_begin(begin, doc), ref_round16(begin + 15 * int64_t(doc)));
+  EXPECT_EQ(transposed_tokens(0, 0), 0);
+  EXPECT_EQ(transposed_tokens(0, 2), 32);
+  EXPECT_EQ(transposed_tokens(1, 1), 16);
+  EXPECT_EQ(transposed_tokens(17, 1), 32);
+  EXPECT_EQ(transposed_tokens(17, 2), 48);
+  static_assert(transposed_slot(8) == 2 && transposed_slot(19) == 21, "constexpr");
+  const QuantLayout l = QuantLayout::make(35, 3, 64, 4);
+  EXPECT_EQ(l.tokens_padded, 48);
+  EXPECT_EQ(l.tokens_t, ref_round16(35 + 60));
+  EXPECT_EQ(l.num_codes_t(), 3 * 64 * l.tokens_t);
+  EXPECT_EQ(l.code_t(2, 5, 7), (2 * 64 + 5) * l.tokens_t + 7);
+}
+
+// Every token's position is inside the buffer and distinct (a bijection onto the token positions),
+// it is where the library's helpers put it, and quantize_cpu writes every code there and zeros at
+// every other position (all codes are non-zero here, so a stray code or missing zero shows).
+TEST(QuantizeTransposed, TokenPositionsAreABijectionAndEveryOtherPositionIsZero) {
+  const std::vector<int64_t> lengths = {0, 1, 15, 16, 17, 31, 33, 129};
+  std::vector<std::vector<int64_t>> layouts;
+  for (int64_t n : lengths) layouts.push_back({n});        // one document
+  for (int64_t n : lengths) layouts.push_back({5, n, 3});  // at an unaligned offset
+  layouts.push_back({3, 0, 1, 15, 16, 17, 31, 33, 129, 0});
+  layouts.push_back({129, 33, 31, 17, 16, 15, 1, 0, 7});
+  layouts.push_back({0, 0, 0, 1, 0, 0, 17, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0});
+  layouts.push_back(std::vector<int64_t>(40, 1));  // many one-token documents
+  layouts.push_back({0, 0});
+  for (const std::vector<int64_t>& docs : layouts) {
+    std::string name;
+    for (int64_t n : docs) name += std::to_string(n) + ",";
+    SCOPED_TRACE("documents " + name);
+    AttentionBatch b = generate_batch(docs, 2, 1, 64, InputSpec{});
+    const int64_t tt = ref_transposed_tokens(b.cu_seqlens);
+    const int num_docs = int(docs.size());
+    EXPECT_EQ(transposed_tokens(b.tokens, num_docs), tt);
+    EXPECT_EQ(transposed_doc_begin(b.tokens, num_docs), tt);
+    const std::vector<int64_t> pos = ref_token_positions(b.cu_seqlens);
+    std::vector<int> hits(size_t(tt), 0);
+    for (int doc = 0; doc < num_docs; ++doc) {
+      EXPECT_EQ(transposed_doc_begin(b.cu_seqlens[doc], doc), ref_doc_start(b.cu_seqlens, doc));
+      EXPECT_EQ(ref_doc_start(b.cu_seqlens, doc) % 16, 0);
+      for (int64_t t = b.cu_seqlens[doc]; t < b.cu_seqlens[doc + 1]; ++t) {
+        ASSERT_GE(pos[t], 0);
+        ASSERT_LT(pos[t], tt);
+        ++hits[size_t(pos[t])];
+        ASSERT_EQ(transposed_doc_begin(b.cu_seqlens[doc], doc) +
+                      transposed_slot(int(t - b.cu_seqlens[doc])),
+                  pos[t])
+            << "token " << t;
+      }
+    }
+    EXPECT_EQ(std::count(hits.begin(), hits.end(), 1), b.tokens);
+    EXPECT_EQ(std::count(hits.begin(), hits.end(), 0), tt - b.tokens);
+
+    for (auto* x : {&b.q, &b.k, &b.v, &b.dout}) std::fill(x->begin(), x->end(), bf(-1.5));
+    QuantizeOptions opt;
+    opt.policy = ScalePolicy::kBlock32;
+    const QuantizedAttention qa = quantize_cpu(b.inputs(), opt);
+    for (Operand op : {Operand::kQ, Operand::kK, Operand::kV, Operand::kDO}) {
+      if (op == Operand::kDO && b.tokens == 0) continue;  // empty views: forward only
+      const E4M3Operand& o = qa.operand(op);
+      ASSERT_EQ(o.layout.tokens_t, tt);
+      ASSERT_EQ(int64_t(o.codes_t.size()), int64_t(o.layout.heads) * 64 * tt);
+      ASSERT_EQ(std::count(o.codes.begin(), o.codes.end(), uint8_t(0)), 0);
+      for (int h = 0; h < o.layout.heads; ++h)
+        for (int d = 0; d < 64; ++d)
+          for (int64_t p = 0; p < tt; ++p) {
+            const uint8_t got = o.codes_t[size_t((int64_t(h) * 64 + d) * tt + p)];
+            if (hits[size_t(p)] == 0) ASSERT_EQ(got, 0) << "position " << p;
+          }
+      ASSERT_TRUE(o.codes_t == ref_codes_t(o, b.cu_seqlens)) << to_string(op);
+    }
+  }
+}
 
 TEST(Quantize, Block32CountsBlocksFromEachDocumentStart) {
   // Two documents; the second starts at token 5. A large value at document-local position 31 of

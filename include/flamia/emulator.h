@@ -4,7 +4,8 @@
 // the kernels' algorithm with exact exp2 and a fixed FP32 summation order, so GPU-vs-emulator
 // tests compare within tolerances while the emulator-vs-FP64 error is the algorithm's own.
 //
-// Forward, per query row i (document-relative) and visible key tile:
+// Forward, per query row i (document-relative) and visible key tile, the tiles from the last
+// (the causal diagonal, or the one holding the document's end) down to the first:
 //   t_ij = (S_ij * (log2(e) * scale * 2^eq_i)) * 2^ek_j          S from unscaled operand values
 //   mask (document, causal) after scaling; m_i = running max of t; P_ij = 2^(t_ij - m_i + 8) <= 2^8
 //   R_i = running max of the visible e_v(j);  P~_ij = P_ij * 2^(e_v(j) - R_i) <= 2^8 <= 448

@@ -5,8 +5,12 @@
 //   (b) another document changes      -- a negative control;
 //   (c) d moves to another offset in the packed buffer, aligned or not.
 // dK and dV legitimately depend on later queries and are not probed.
+//
+// The runner is a parameter: the CPU emulator by default, or any implementation of the same
+// contract (the GPU forward, which returns O and LSE only: dQ is then reported as not probed).
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -30,7 +34,7 @@ const char* to_string(ProbeControl c);
 bool is_suffix_control(ProbeControl c);
 
 struct ProbeConfig {
-  EmulatorConfig emulator;  // recipe, policy, tiles; backward_pass must stay on (dQ is probed)
+  EmulatorConfig emulator;  // the default runner's recipe, policy, tiles; backward_pass stays on
   int target_doc = -1;      // -1: the longest document
   int prefix_end = -1;      // last prefix row (document-relative); -1: see default_prefix_end
   uint64_t perturbation_seed = 12345;
@@ -54,15 +58,33 @@ struct ProbeOutcome {
   // max |changed - base| / max |base| over the probed rows (the prefix for suffix controls, the
   // whole document otherwise), all heads.
   double o_change = 0, lse_change = 0, dq_change = 0;
-  bool o_exact = true, lse_exact = true, dq_exact = true;  // bitwise equal
+  bool o_exact = true, lse_exact = true;  // bitwise equal
+  // dQ is probed only when the runner returns it; when not probed, dq_exact is false (never
+  // claimed exact) and dq_change is NaN.
+  bool dq_probed = true;
+  bool dq_exact = true;
   int leak_reach = 0;  // suffix controls: first suffix row - earliest changed prefix row (0: none)
 
-  bool leaks() const { return !(o_exact && lse_exact && dq_exact); }
+  // A change of any probed output.
+  bool leaks() const { return !(o_exact && lse_exact && (!dq_probed || dq_exact)); }
 };
 
-// Runs the base batch and each control through the emulator. Throws Error when the target
-// document is too short to have a prefix and a suffix.
+// Computes the outputs of one batch: O ([T][Hq][D]) and LSE ([Hq][T]) always, dQ ([T][Hq][D]) or
+// nothing (then dQ is not probed). Must be deterministic: the contract is bitwise.
+using ProbeRunner = std::function<AttentionOutputs<float>(const AttentionBatch&)>;
+
+// The default runner: emulate(batch, emulator).out.
+ProbeRunner emulator_runner(const EmulatorConfig& emulator);
+
+// Runs the base batch and each control through the emulator (config.emulator, which must keep the
+// backward pass). Throws Error when the target document is too short to have a prefix and a suffix.
 std::vector<ProbeOutcome> run_probe(const AttentionBatch& base, const ProbeConfig& config,
                                     const std::vector<ProbeControl>& controls);
+
+// The same through `runner`; config.emulator is not used. Throws Error when the runner returns
+// outputs of the wrong size, or dQ for one batch and not for another.
+std::vector<ProbeOutcome> run_probe(const AttentionBatch& base, const ProbeConfig& config,
+                                    const std::vector<ProbeControl>& controls,
+                                    const ProbeRunner& runner);
 
 }  // namespace flamia

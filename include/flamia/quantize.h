@@ -2,13 +2,15 @@
 //
 // The CPU quantizer here is the bit-exact oracle of the GPU quantizer: both write the same arrays.
 //
-// Layouts, for an operand with T tokens, H heads, head dim D and Tp = T rounded up to
-// kTokenPadding (so every row of a transposed copy starts 16-byte aligned, as TMA needs):
+// Layouts, for an operand with T tokens in num_docs documents, H heads, head dim D, Tp = T rounded
+// up to kTokenPadding and Tt (a multiple of 16 too), so every row of the token-contiguous arrays
+// starts 16-byte aligned, as TMA needs:
 //   codes              [T][H][D]    E4M3, the head dim contiguous (K-major for products over D:
 //                                   S = Q K^T, dP = dO V^T)
-//   codes_t            [H][D][Tp]   E4M3, tokens contiguous (K-major for products over tokens:
+//   codes_t            [H][D][Tt]   E4M3, tokens contiguous (K-major for products over tokens:
 //                                   O = P V uses V^T, dV = P^T dO uses dO^T, dQ = dS K uses K^T,
-//                                   dK = dS^T Q uses Q^T); padding tokens hold code 0
+//                                   dK = dS^T Q uses Q^T), Tt = transposed_tokens(T, num_docs);
+//                                   documents 16-aligned, tokens permuted in groups of 16 (below)
 //   exponents          [H][Tp]      UE8M0, one per token and head; a block policy repeats its
 //                                   block's exponent on every token of the block; padding 127
 //   channel_exponents  [T][H][D]    UE8M0, vgroup16's V only (one exponent per document-local
@@ -21,6 +23,23 @@
 //     exponents        [H][Tp]      UE8M0 token scale
 // Value of an E4M3 element: decode(code) * 2^(exponent - 127). NVFP4: e2m1(code) * e4m3(local) *
 // 2^(exponent - 127).
+//
+// codes_t's token positions. The kernels feed P (an f32 wgmma accumulator converted to E4M3) as the
+// register A operand of an FP8 wgmma whose B operand is codes_t; the accumulator gives thread t of
+// a quad columns {2t, 2t+1, 2t+8, 2t+9} of every 16 while the FP8 A fragment wants k = 4t..4t+3,
+// so codes_t stores every 16 document-relative tokens in that permuted order instead of shuffling
+// registers in the hot loop, and starts every document 16-aligned, so that any document-relative
+// 16-aligned key tile is a plain TMA box:
+//   - document b, tokens [begin_b, begin_b + L_b), starts at P_b = transposed_doc_begin(begin_b, b)
+//     = round_up(begin_b + 15 b, 16); its token begin_b + r sits at P_b + transposed_slot(r), where
+//     transposed_slot permutes each group of 16: slots 0..15 hold tokens 0,1,8,9, 2,3,10,11,
+//     4,5,12,13, 6,7,14,15 of the group;
+//   - the documents never overlap and fit in Tt = round_up(T + 15 num_docs, 16): with
+//     x = begin_b + 15 b, P_b + round_up(L_b, 16) = round_up(round_up(x, 16) + L_b, 16) <=
+//     round_up(x + L_b + 15, 16) = P_{b+1}, and P_num_docs = Tt (the same formula at begin = T);
+//   - every position that holds no token (the slots past a document's last token in its last
+//     group, the gap of 0 or 16 positions before the next document's start, the end of the buffer)
+//     holds code 0: the kernels multiply masked zeros by these bytes, so every call writes them.
 #pragma once
 
 #include <array>
@@ -51,6 +70,8 @@ constexpr int kBlockTokens = 32;
 constexpr int kVGroupTokens = 16;
 constexpr int kNvfp4GroupSize = 16;
 constexpr int kTokenPadding = 16;
+constexpr int kTransposedGroup =
+    16;  // codes_t: documents start aligned to it, tokens permuted in it
 constexpr float kNvfp4TokenMax = e2m1::kMax * e4m3::kMax;  // token scale keeps local scales <= 448
 constexpr uint8_t kPaddingExponentCode = uint8_t(kZeroGroupExponent + ue8m0::kBias);
 
@@ -58,19 +79,41 @@ enum class Operand { kQ = 0, kK = 1, kV = 2, kDO = 3 };
 constexpr int kNumOperands = 4;
 const char* to_string(Operand op);
 
+// codes_t's token count: T tokens in num_docs documents (see the layout comment above).
+FLAMIA_HD constexpr int64_t transposed_tokens(int64_t tokens, int num_docs) {
+  return (tokens + int64_t(kTransposedGroup - 1) * num_docs + kTransposedGroup - 1) /
+         kTransposedGroup * kTransposedGroup;
+}
+// codes_t's position of document `doc`'s first token (doc_begin = cu_seqlens[doc]); a multiple
+// of kTransposedGroup. transposed_doc_begin(tokens, num_docs) == transposed_tokens(tokens,
+// num_docs).
+FLAMIA_HD constexpr int64_t transposed_doc_begin(int64_t doc_begin, int doc) {
+  return (doc_begin + int64_t(kTransposedGroup - 1) * doc + kTransposedGroup - 1) /
+         kTransposedGroup * kTransposedGroup;
+}
+// Offset from its document's transposed_doc_begin of the document-relative token r.
+FLAMIA_HD constexpr int transposed_slot(int r) {
+  const int j = r & (kTransposedGroup - 1);
+  return (r & ~(kTransposedGroup - 1)) + 4 * ((j & 7) >> 1) + 2 * (j >> 3) + (j & 1);
+}
+
 // Index arithmetic of the layouts above (usable from device code).
 struct QuantLayout {
   int64_t tokens = 0;
-  int64_t tokens_padded = 0;
+  int64_t tokens_padded = 0;  // Tp: exponents' token count
+  int64_t tokens_t = 0;       // Tt: codes_t's positions per row
   int heads = 0;
   int dim = 0;
 
-  static QuantLayout make(int64_t tokens, int heads, int dim) {
-    return {tokens, (tokens + kTokenPadding - 1) / kTokenPadding * kTokenPadding, heads, dim};
+  static QuantLayout make(int64_t tokens, int heads, int dim, int num_docs) {
+    return {tokens, (tokens + kTokenPadding - 1) / kTokenPadding * kTokenPadding,
+            transposed_tokens(tokens, num_docs), heads, dim};
   }
   FLAMIA_HD int64_t code(int64_t t, int h, int d) const { return (t * heads + h) * dim + d; }
-  FLAMIA_HD int64_t code_t(int h, int d, int64_t t) const {
-    return (int64_t(h) * dim + d) * tokens_padded + t;
+  // `pos` is a codes_t position: transposed_doc_begin(begin_b, b) + transposed_slot(t - begin_b)
+  // for token t of document b.
+  FLAMIA_HD int64_t code_t(int h, int d, int64_t pos) const {
+    return (int64_t(h) * dim + d) * tokens_t + pos;
   }
   FLAMIA_HD int64_t exponent(int h, int64_t t) const { return int64_t(h) * tokens_padded + t; }
   FLAMIA_HD int64_t nvfp4_byte(int64_t t, int h, int d) const {
@@ -80,7 +123,7 @@ struct QuantLayout {
     return (t * heads + h) * (dim / kNvfp4GroupSize) + d / kNvfp4GroupSize;
   }
   int64_t num_codes() const { return tokens * heads * dim; }
-  int64_t num_codes_t() const { return int64_t(heads) * dim * tokens_padded; }
+  int64_t num_codes_t() const { return int64_t(heads) * dim * tokens_t; }
   int64_t num_exponents() const { return int64_t(heads) * tokens_padded; }
 };
 

@@ -19,7 +19,9 @@ namespace flamia {
 // token count). Every pointer is device memory aligned to kDeviceAlignment.
 struct DeviceE4M3Operand {
   uint8_t* codes = nullptr;              // [T][H][D]
-  uint8_t* codes_t = nullptr;            // [H][D][Tp]; needed when QuantizeOptions::transposed
+  uint8_t* codes_t = nullptr;            // [H][D][Tt]: QuantLayout::tokens_t positions, documents
+                                         // 16-aligned and permuted (quantize.h); needed when
+                                         // QuantizeOptions::transposed
   uint8_t* exponents = nullptr;          // [H][Tp]
   uint8_t* channel_exponents = nullptr;  // [T][H][D]; needed for V under vgroup16 only
 };

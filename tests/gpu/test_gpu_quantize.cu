@@ -109,6 +109,7 @@ void expect_bytes(const std::vector<uint8_t>& want, const std::vector<uint8_t>& 
 void expect_layout(const QuantLayout& want, const QuantLayout& got, const std::string& what) {
   EXPECT_EQ(want.tokens, got.tokens) << what;
   EXPECT_EQ(want.tokens_padded, got.tokens_padded) << what;
+  EXPECT_EQ(want.tokens_t, got.tokens_t) << what;
   EXPECT_EQ(want.heads, got.heads) << what;
   EXPECT_EQ(want.dim, got.dim) << what;
 }
@@ -187,11 +188,12 @@ struct DeviceInputs {
 // `backward`: quantize dO too, when the batch has one (an empty batch's views are null, which
 // quantize_cpu reads as forward only).
 QuantizedAttention run_gpu(const AttentionBatch& b, const QuantizeOptions& opt,
-                           Arrangement arr = Arrangement::kDense, bool with_dout = true) {
+                           Arrangement arr = Arrangement::kDense, bool with_dout = true,
+                           uint8_t poison = kPoison) {
   const bool backward = with_dout && b.inputs().dout.data != nullptr;
   const DeviceInputs inputs(b, arr, backward);
   const QuantizeOutputs out(b.layout(), opt, backward);
-  out.fill(kPoison);  // every byte, padding included, must be written
+  out.fill(poison);  // every byte, padding included, must be written
   quantize_gpu(inputs.in, opt, out.view(), nullptr);
   FLAMIA_CUDA_CHECK(cudaGetLastError());
   FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
@@ -416,6 +418,53 @@ TEST(GpuQuantize, EmptyAndOneTokenInputs) {
       expect_same(quantize_cpu(b.inputs(), opt), run_gpu(b, opt));
     }
   }
+}
+
+// codes_t's document starts, permuted groups and zero gaps (flamia/quantize.h) on layouts where
+// groups straddle 128- and 256-token tiles, documents end inside and exactly at tile edges, and
+// runs of empty documents make gaps: outputs poisoned with 0xFF (E4M3 NaN) first, so any position
+// left unwritten shows.
+TEST(GpuQuantize, TransposedLayoutOnUnalignedAndEmptyDocuments) {
+  FLAMIA_REQUIRE_GPU();
+  constexpr uint8_t kNaNPoison = 0xFF;
+  const std::vector<std::vector<int64_t>> layouts = {
+      {0, 1, 15, 16, 17, 31, 33, 129},
+      {5, 0, 1, 15, 16, 17, 31, 33, 129, 0},
+      {129, 33, 31, 17, 16, 15, 1, 0, 7},
+      {1},
+      {17},
+      {128},
+      {256},
+      {0, 0, 0, 300},
+      {300, 0, 0, 0},
+      {120, 130, 6, 250, 0, 1, 0, 255, 2},  // documents ending at and across tile edges
+      {127, 1, 126, 2, 125, 3, 124, 4, 257},
+      {0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0},
+      std::vector<int64_t>(300, 1),
+      std::vector<int64_t>(37, 17),
+  };
+  for (const int dim : {64, 128}) {
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      SCOPED_TRACE("dim " + std::to_string(dim) + ", layout " + std::to_string(i));
+      const AttentionBatch b = make_batch(layouts[i], dim, 40 + i, false);
+      for (ScalePolicy p : {ScalePolicy::kToken, ScalePolicy::kBlock32, ScalePolicy::kVGroup16}) {
+        SCOPED_TRACE(to_string(p));
+        QuantizeOptions opt;
+        opt.policy = p;
+        const QuantizedAttention gpu = run_gpu(b, opt, Arrangement::kDense, true, kNaNPoison);
+        expect_same(quantize_cpu(b.inputs(), opt), gpu);
+        EXPECT_EQ(gpu.q.layout.tokens_t, transposed_tokens(b.tokens, int(layouts[i].size())));
+        EXPECT_EQ(std::count(gpu.v.codes_t.begin(), gpu.v.codes_t.end(), kNaNPoison), 0);
+      }
+    }
+  }
+  // No tokens at all, documents only: codes_t is all padding.
+  const AttentionBatch empty = make_batch({0, 0, 0}, 128, 9, false);
+  const QuantizedAttention gpu = run_gpu(empty, QuantizeOptions{}, Arrangement::kDense, true, 0xFF);
+  ASSERT_EQ(gpu.k.codes_t.size(), size_t(kHeadsKV * 128 * 48));
+  EXPECT_EQ(std::count(gpu.k.codes_t.begin(), gpu.k.codes_t.end(), uint8_t(0)),
+            kHeadsKV * 128 * 48);
+  expect_same(quantize_cpu(empty.inputs(), QuantizeOptions{}), gpu);
 }
 
 void expect_error(const std::function<void()>& f, const std::string& fragment) {

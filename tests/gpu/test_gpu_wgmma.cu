@@ -92,30 +92,87 @@ std::vector<uint8_t> random_operand(Type type, int rows, std::vector<float>& val
   return bytes;
 }
 
+// D[64][n] must equal A[64][k] B[n][k]^T exactly (small integers: every sum is exact in f32).
+void expect_exact_product(const std::vector<float>& av, const std::vector<float>& bv,
+                          const std::vector<float>& got, int n) {
+  const int k = int(av.size()) / wg::kM;
+  int mismatches = 0;
+  for (int m = 0; m < wg::kM; ++m) {
+    for (int c = 0; c < n; ++c) {
+      double ref = 0;
+      for (int kk = 0; kk < k; ++kk) ref += double(av[size_t(m) * k + kk]) * bv[size_t(c) * k + kk];
+      if (got[size_t(m) * n + c] != float(ref) && ++mismatches <= 5)
+        ADD_FAILURE() << "D(" << m << ", " << c << ") = " << got[size_t(m) * n + c] << ", want "
+                      << ref;
+    }
+  }
+  EXPECT_EQ(mismatches, 0);
+}
+
 template <Type T, int N>
 void check_wgmma(uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<float> av, bv;
   const std::vector<uint8_t> a = random_operand(T, wg::kM, av, rng);
   const std::vector<uint8_t> b = random_operand(T, N, bv, rng);
-  const int k = int(av.size()) / wg::kM;
   DeviceBuffer<uint8_t> d_a(a), d_b(b);
   DeviceBuffer<float> d_d(size_t(wg::kM) * N);
   d_d.poison();
   wgmma_kernel<T, N><<<1, sm90::kWarpgroupThreads>>>(d_a.get(), d_b.get(), d_d.get());
   test::sync_checked();
-  const std::vector<float> got = d_d.download();
-  int mismatches = 0;
-  for (int m = 0; m < wg::kM; ++m) {
-    for (int n = 0; n < N; ++n) {
-      double ref = 0;
-      for (int kk = 0; kk < k; ++kk) ref += double(av[size_t(m) * k + kk]) * bv[size_t(n) * k + kk];
-      if (got[size_t(m) * N + n] != float(ref) && ++mismatches <= 5)
-        ADD_FAILURE() << "D(" << m << ", " << n << ") = " << got[size_t(m) * N + n] << ", want "
-                      << ref;
+  expect_exact_product(av, bv, d_d.download(), N);
+}
+
+// Register-A form: each thread packs its A fragment bytes from global memory through
+// a_frag_row / a_frag_k, so a wrong fragment mapping shows as a wrong product.
+__global__ void __launch_bounds__(sm90::kWarpgroupThreads)
+    wgmma_rs_kernel(const uint8_t* a, const uint8_t* b, float* d) {
+  constexpr int N = 128;
+  __shared__ alignas(wg::kSw128AtomBytes) uint8_t sb[N * kRowBytes];
+  for (uint32_t i = threadIdx.x; i < N * kRowBytes; i += blockDim.x)
+    sb[wg::sw128_offset(i / kRowBytes, i % kRowBytes)] = b[i];
+  sm90::fence_async_shared();
+  __syncthreads();
+  const int t = threadIdx.x;
+  float acc[wg::acc_regs(N)];
+  for (float& x : acc) x = NAN;
+  const uint64_t desc_b = wg::make_desc_sw128(sb);
+  wg::fence_operands(acc);
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    uint32_t frag[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      frag[j] = 0;
+      for (int byte = 0; byte < 4; ++byte)
+        frag[j] |=
+            uint32_t(
+                a[wg::a_frag_row(t, j) * kRowBytes + ks * wg::kKE4m3 + wg::a_frag_k(t, j, byte)])
+            << (8 * byte);
     }
+    wg::fence();
+    wg::mma_e4m3_rs<N>(acc, frag, wg::desc_advance(desc_b, ks * wg::kKBytes), ks > 0);
+    wg::commit();
+    wg::wait<0>();
+    wg::fence_operands(acc);
   }
-  EXPECT_EQ(mismatches, 0);
+#pragma unroll
+  for (int i = 0; i < wg::acc_regs(N); ++i) d[wg::acc_row(t, i) * N + wg::acc_col(t, i)] = acc[i];
+}
+
+TEST(GpuWgmma, E4m3RegisterAN128MatchesCpu) {
+  FLAMIA_REQUIRE_GPU();
+  constexpr int N = 128;
+  std::mt19937 rng(31);
+  std::vector<float> av, bv;
+  const std::vector<uint8_t> a = random_operand(Type::kE4m3, wg::kM, av, rng);
+  const std::vector<uint8_t> b = random_operand(Type::kE4m3, N, bv, rng);
+  DeviceBuffer<uint8_t> d_a(a), d_b(b);
+  DeviceBuffer<float> d_d(size_t(wg::kM) * N);
+  d_d.poison();
+  wgmma_rs_kernel<<<1, sm90::kWarpgroupThreads>>>(d_a.get(), d_b.get(), d_d.get());
+  test::sync_checked();
+  expect_exact_product(av, bv, d_d.download(), N);
 }
 
 TEST(GpuWgmma, E4m3N64MatchesCpu) {

@@ -88,7 +88,9 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   KernelArgs args;
   args.num_ops = num_ops;
   args.tokens = pl.tokens;
-  args.tokens_padded = QuantLayout::make(pl.tokens, 1, pl.head_dim).tokens_padded;
+  const QuantLayout layout = QuantLayout::make(pl.tokens, 1, pl.head_dim, pl.num_docs);
+  args.tokens_padded = layout.tokens_padded;
+  args.tokens_t = layout.tokens_t;
   args.cu_seqlens = in.cu_seqlens;
   args.num_docs = pl.num_docs;
   args.non_finite = reinterpret_cast<unsigned long long*>(out.non_finite_first);
@@ -116,7 +118,10 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     }
     o.first_tile = int(tiles);
     tiles += token_tiles * j.heads;
-    if (pl.tokens == 0) continue;  // every array is empty
+    if (pl.tokens == 0) {  // every array is empty but codes_t, which documents make all padding
+      if (options.transposed && layout.tokens_t > 0) require_output(j.name, "codes_t", o.codes_t);
+      continue;
+    }
     require_vector_input(j.name, j.view);
     require_output(j.name, "codes", o.codes);
     require_output(j.name, "exponents", o.exponents);
@@ -136,7 +141,14 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   constexpr int kAllOnes = 0xFF;
   FLAMIA_CUDA_CHECK(
       cudaMemsetAsync(out.non_finite_first, kAllOnes, kNumOperands * sizeof(int64_t), stream));
-  if (tiles == 0) return;
+  if (tiles == 0) {  // no tokens: codes_t (documents with no tokens) holds zeros only
+    if (options.transposed && layout.tokens_t > 0)
+      for (int i = 0; i < num_ops; ++i)
+        FLAMIA_CUDA_CHECK(cudaMemsetAsync(args.ops[i].codes_t, 0,
+                                          size_t(args.ops[i].heads) * pl.head_dim * layout.tokens_t,
+                                          stream));
+    return;
+  }
 
   const bool rotate = options.hadamard;
   if (options.policy == ScalePolicy::kTensor) {

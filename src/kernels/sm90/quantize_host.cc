@@ -27,8 +27,8 @@ QuantizeOutputs::Nvfp4 QuantizeOutputs::make_nvfp4(const QuantLayout& l) {
 QuantizeOutputs::QuantizeOutputs(const PackedLayout& pl, const QuantizeOptions& options,
                                  bool backward)
     : backward_(backward), nvfp4_(options.nvfp4_qk) {
-  const QuantLayout lq = QuantLayout::make(pl.tokens, pl.heads_q, pl.head_dim);
-  const QuantLayout lkv = QuantLayout::make(pl.tokens, pl.heads_kv, pl.head_dim);
+  const QuantLayout lq = QuantLayout::make(pl.tokens, pl.heads_q, pl.head_dim, pl.num_docs);
+  const QuantLayout lkv = QuantLayout::make(pl.tokens, pl.heads_kv, pl.head_dim, pl.num_docs);
   const bool tr = options.transposed;
   q_ = make_e4m3(lq, tr, false);
   k_ = make_e4m3(lkv, tr, false);

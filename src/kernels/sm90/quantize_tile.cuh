@@ -19,10 +19,20 @@
 //      token, channel chunk) reads the whole group, at most 15 rows beyond the tile, and spreads
 //      its exponents. A token's document comes from a binary search in cu_seqlens;
 //   E  one thread per token computes its exponent (every lane of a row doing it costs ~20 % of
-//      the token policy's throughput) and the NVFP4 token exponent, into shared memory;
+//      the token policy's throughput) and the NVFP4 token exponent, into shared memory; with a
+//      transposed copy, the thread of each token that starts a document-relative 16-token group
+//      (or holds the tile's first token) lists that group (flamia/quantize.h: codes_t's positions),
+//      and two threads find the documents whose trailing gap the tile writes;
 //   B  codes (hardware RNE conversion, proven equal to e4m3::encode), NVFP4 nibbles and local
-//      scales, and the transposed words into a swizzled shared tile;
-//   S  16-byte stores of codes_t and the exponent rows, padding tokens included.
+//      scales, and the transposed words (tile token order) into a swizzled shared tile;
+//   S  codes_t: per listed group and dim, 16 bytes gathered from the shared tile (documents start
+//      at any token, so at any byte), masked to the group's tokens in the tile and permuted into
+//      the group's slot order: one 16-byte store when every token of the group is in the tile
+//      (its zero tail included), else byte stores of the tile's tokens (and of the zero tail when
+//      the tile holds the document's last token); then zero 16-byte stores of the gaps between
+//      documents, each written by the tile holding the token just before the next document's
+//      start (token 0's tile for leading empty documents; quantize_gpu zeroes codes_t when there
+//      are no tokens at all). Then 16-byte stores of the exponent rows, padding tokens included.
 // The tensor policy's maxima come from a first launch of this kernel (amax_only).
 #pragma once
 
@@ -62,7 +72,6 @@ struct Geometry {
   static constexpr int kTokensPerPass = kRowGroups * kQuadTokens;
   static constexpr int kPasses = kTileTokens / kTokensPerPass;
   static constexpr int kTileWords = kTileTokens / kQuadTokens;  // words per codes_t row
-  static constexpr int kStoreChunks = kTileTokens / kVectorBytes;
   static constexpr int kHaloIters = (2 * kBlockHalo + kRowGroups - 1) / kRowGroups;
   static_assert(kPasses >= 1 && kTileTokens % kTokensPerPass == 0, "tile must be whole passes");
   static_assert(kTileWords % kWarpLanes == 0, "the swizzle spreads one warp over 32 banks");
@@ -89,6 +98,7 @@ struct KernelArgs {
   OperandArgs ops[kNumOperands];
   int num_ops = 0;
   int64_t tokens = 0, tokens_padded = 0;
+  int64_t tokens_t = 0;                 // codes_t's row length (QuantLayout::tokens_t)
   const int32_t* cu_seqlens = nullptr;  // device
   int num_docs = 0;
   unsigned long long* non_finite = nullptr;  // [kNumOperands]
@@ -107,6 +117,15 @@ struct Smem {
   int group_begin[G::kTileTokens], group_end[G::kTileTokens];  // vgroup16: tokens - t0
   int num_groups;
   int64_t halo_lo, halo_hi;
+  // codes_t's document-relative 16-token groups holding tokens of the tile (stage E lists them,
+  // stage S stores them).
+  struct alignas(kVectorBytes) TransposedGroup {
+    int64_t pos;      // codes_t position of the group's slot 0
+    int first;        // the group's first token - t0 (-15 .. tile - 1)
+    uint32_t bounds;  // TransposedBounds
+  } tgroups[G::kTileTokens];
+  int num_tgroups;
+  int gap_doc_lo, gap_doc_hi;  // documents whose trailing gap the tile zeroes
 };
 
 // ---- BF16 helpers ---------------------------------------------------------------------------
@@ -146,6 +165,20 @@ __device__ __forceinline__ int find_doc(const int32_t* cu, int num_docs, int64_t
       lo = mid;
     } else {
       hi = mid;
+    }
+  }
+  return lo;
+}
+
+// The smallest b in [0, num_docs) with cu[b + 1] > x, or num_docs if none.
+__device__ __forceinline__ int first_doc_ending_after(const int32_t* cu, int num_docs, int64_t x) {
+  int lo = 0, hi = num_docs;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (__ldg(cu + mid + 1) > x) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
     }
   }
   return lo;
@@ -540,6 +573,190 @@ __device__ __forceinline__ void emit_pass(const OperandArgs& op, Smem<kDim>& sm,
   }
 }
 
+// ---- codes_t ------------------------------------------------------------------------------------
+
+constexpr int kGroup = kTransposedGroup;
+constexpr uint32_t kBoundBits = 8, kBoundMask = 0xFF;
+
+// A listed group's bytes, in group token indices j = 0..15 (token first + j of the tile): the tile
+// writes tokens [lo, hi) and, when it holds the document's last token, the zero slots of j >= tail
+// (tail = 16: none).
+struct TransposedBounds {
+  int lo, hi, tail;
+  __device__ __forceinline__ static uint32_t pack(int lo, int hi, int tail) {
+    return uint32_t(lo) | uint32_t(hi) << kBoundBits | uint32_t(tail) << (2 * kBoundBits);
+  }
+  __device__ __forceinline__ static TransposedBounds unpack(uint32_t b) {
+    return {int(b & kBoundMask), int((b >> kBoundBits) & kBoundMask), int(b >> (2 * kBoundBits))};
+  }
+  // Every slot of the group is this tile's: one 16-byte store.
+  __device__ __forceinline__ bool whole() const { return lo == 0 && (hi == kGroup || tail == hi); }
+};
+// A group of 16 tokens all in the tile (then first is in [0, tile - 16]).
+constexpr uint32_t kFullGroupBounds = uint32_t(kGroup) << kBoundBits | uint32_t(kGroup)
+                                                                           << (2 * kBoundBits);
+
+// Stage E, threads 0 .. tile - 1 (whole warps): the groups of the tile into sm.tgroups, in any
+// order (each group writes only its own slots), and the range of documents whose gaps the tile
+// zeroes: those whose end offset cu[b + 1] is in (t0, t_end], and for the first tile those ending
+// at 0 (leading empty documents), i.e. those whose last token, or token 0, is in the tile.
+template <int kDim>
+__device__ __noinline__ void list_transposed_groups(const KernelArgs& a, Smem<kDim>& sm, int t0,
+                                                    int t_end) {
+  const int i = threadIdx.x;
+  const int t = t0 + i;
+  bool head = false;
+  int first = 0;
+  uint32_t bounds = 0;
+  int64_t pos = 0;
+  if (t < t_end) {
+    const int b = find_doc(a.cu_seqlens, a.num_docs, t);
+    const int begin = __ldg(a.cu_seqlens + b), end = __ldg(a.cu_seqlens + b + 1);
+    const int rel = (t - begin) & ~(kGroup - 1);
+    const int g = begin + rel;  // the group's first token
+    head = t == t0 || t == g;
+    if (head) {
+      first = g - t0;
+      const int64_t g_end = int64_t(g) + kGroup;  // no int overflow near the int32 token limit
+      const int hi = int(min(min(g_end, int64_t(end)), int64_t(t_end)) - g);
+      const int tail = end <= t_end && end < g_end ? end - g : kGroup;
+      bounds = TransposedBounds::pack(t - g, hi, tail);
+      pos = transposed_doc_begin(begin, b) + rel;
+    }
+  }
+  const unsigned heads = __ballot_sync(kFullMask, head);
+  const int lane = i % kWarpLanes;
+  int base = 0;
+  if (lane == 0 && heads != 0) base = atomicAdd(&sm.num_tgroups, __popc(heads));
+  base = __shfl_sync(kFullMask, base, 0);
+  if (head) {
+    const int slot = base + __popc(heads & ((1u << lane) - 1));
+    sm.tgroups[slot] = {pos, first, bounds};
+  }
+  if (i == 0) sm.gap_doc_lo = t0 == 0 ? 0 : first_doc_ending_after(a.cu_seqlens, a.num_docs, t0);
+  if (i == 1) sm.gap_doc_hi = first_doc_ending_after(a.cu_seqlens, a.num_docs, t_end);
+}
+
+// Bytes x .. 7 of a 64-bit half whose byte 0 is group token `base` (x relative to the group).
+__device__ __forceinline__ uint64_t bytes_from(int x, int base) {
+  const int k = x - base;
+  return k <= 0 ? ~0ull : k >= 8 ? 0ull : ~0ull << (kBitsPerByte * k);
+}
+
+// Slot order (transposed_slot): tokens 0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15 of the group,
+// from w[q] = tokens 4q .. 4q + 3.
+__device__ __forceinline__ uint4 slot_order(const uint32_t (&w)[kQuadTokens]) {
+  return make_uint4(
+      __byte_perm(w[0], w[2], kPermLowHalves), __byte_perm(w[0], w[2], kPermHighHalves),
+      __byte_perm(w[1], w[3], kPermLowHalves), __byte_perm(w[1], w[3], kPermHighHalves));
+}
+
+// Tokens first .. first + 15 of a row of the shared tile (logical word c at c ^ swizzle) start at
+// byte first & 3 of word first >> 2 (floor: first >= -15).
+__device__ __forceinline__ uint32_t byte_shift(int first) {
+  constexpr uint32_t kIdentity = 0x3210, kShiftOne = 0x1111;
+  return kIdentity + kShiftOne * uint32_t(first & (kBytesPerWord - 1));
+}
+
+// Stage S, a group at a tile edge or a document's last group (out of line: a few per tile and dim
+// unless documents are short):
+// words outside the tile read as 0, bytes of tokens outside [lo, hi) (other documents, other
+// tiles) are cleared; one 16-byte store when the group is whole, else byte stores of the tile's
+// tokens and, when the tile holds the document's end, of the zero tail.
+template <int kDim>
+__device__ __noinline__ void store_transposed_edge_group(const uint32_t* row, int swizzle,
+                                                         int first, uint32_t packed_bounds,
+                                                         uint8_t* dst) {
+  using G = Geometry<kDim>;
+  const TransposedBounds bounds = TransposedBounds::unpack(packed_bounds);
+  const int word0 = first >> 2;
+  uint32_t u[kQuadTokens + 1];
+#pragma unroll
+  for (int k = 0; k <= kQuadTokens; ++k) {
+    const int col = word0 + k;
+    u[k] = col >= 0 && col < G::kTileWords ? row[col ^ swizzle] : 0u;
+  }
+  const uint32_t shift = byte_shift(first);
+  uint32_t w[kQuadTokens];
+#pragma unroll
+  for (int q = 0; q < kQuadTokens; ++q) w[q] = __byte_perm(u[q], u[q + 1], shift);
+  constexpr int kHalfTokens = kGroup / 2;
+  const uint64_t keep_lo = bytes_from(bounds.lo, 0) & ~bytes_from(bounds.hi, 0);
+  const uint64_t keep_hi = bytes_from(bounds.lo, kHalfTokens) & ~bytes_from(bounds.hi, kHalfTokens);
+  w[0] &= uint32_t(keep_lo);
+  w[1] &= uint32_t(keep_lo >> 32);
+  w[2] &= uint32_t(keep_hi);
+  w[3] &= uint32_t(keep_hi >> 32);
+  if (bounds.whole()) {
+    *reinterpret_cast<uint4*>(dst) = slot_order(w);
+    return;
+  }
+  constexpr uint32_t kAllTokens = (1u << kGroup) - 1;
+  const uint32_t mine = (((1u << bounds.hi) - 1) & ~((1u << bounds.lo) - 1)) |
+                        (kAllTokens & ~((1u << bounds.tail) - 1));
+#pragma unroll
+  for (int j = 0; j < kGroup; ++j)
+    if (mine & (1u << j))
+      dst[transposed_slot(j)] =
+          uint8_t(w[j / kBytesPerWord] >> (kBitsPerByte * (j % kBytesPerWord)));
+}
+
+// Stage S: listed group `gi` of dim d. A group of 16 tokens inside the tile takes one 16-byte
+// store: from one aligned vector of the shared tile when it starts at a multiple of 16 tokens
+// (documents starting 16-aligned), else from five words.
+template <int kDim>
+__device__ __forceinline__ void store_transposed_group(const OperandArgs& op, const Smem<kDim>& sm,
+                                                       int64_t tokens_t, int h, int d, int gi) {
+  const auto group = sm.tgroups[gi];
+  const int first = group.first;
+  const int swizzle = transposed_swizzle<kDim>(d);
+  const uint32_t* row = sm.transposed[d];
+  uint8_t* dst = op.codes_t + (int64_t(h) * kDim + d) * tokens_t + group.pos;
+  if (group.bounds != kFullGroupBounds) {
+    store_transposed_edge_group<kDim>(row, swizzle, first, group.bounds, dst);
+    return;
+  }
+  const int word0 = first >> 2;  // first is in [0, tile - 16]
+  uint32_t w[kQuadTokens];
+  if ((first & (kGroup - 1)) == 0) {
+    // Logical word m of the aligned vector word0 / 4 sits at physical word m ^ (swizzle & 3) of
+    // the aligned vector (word0 ^ (swizzle & ~3)) / 4.
+    constexpr int kWordsPerVector = kVectorBytes / kBytesPerWord;
+    uint4 v = *reinterpret_cast<const uint4*>(&row[word0 ^ (swizzle & ~(kWordsPerVector - 1))]);
+    if (swizzle & 1) v = make_uint4(v.y, v.x, v.w, v.z);
+    if (swizzle & 2) v = make_uint4(v.z, v.w, v.x, v.y);
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
+  } else {
+    // Word word0 + 4 is read only when first is not a multiple of 4 (it then holds token
+    // first + 15 <= tile - 1), so every word read is inside the tile.
+    uint32_t u[kQuadTokens + 1];
+#pragma unroll
+    for (int k = 0; k < kQuadTokens; ++k) u[k] = row[(word0 + k) ^ swizzle];
+    u[kQuadTokens] = (first & (kBytesPerWord - 1)) != 0 ? row[(word0 + kQuadTokens) ^ swizzle] : 0u;
+    const uint32_t shift = byte_shift(first);
+#pragma unroll
+    for (int q = 0; q < kQuadTokens; ++q) w[q] = __byte_perm(u[q], u[q + 1], shift);
+  }
+  *reinterpret_cast<uint4*>(dst) = slot_order(w);
+}
+
+// Stage S: the zero positions between the end of document b's last group and the next
+// document's first position (0 or 16 of them), of dim d.
+template <int kDim>
+__device__ __forceinline__ void store_transposed_gap(const KernelArgs& a, const OperandArgs& op,
+                                                     int h, int d, int b) {
+  const int begin = __ldg(a.cu_seqlens + b), end = __ldg(a.cu_seqlens + b + 1);
+  const int64_t from =
+      transposed_doc_begin(begin, b) + (end - begin + kGroup - 1) / kGroup * kGroup;
+  const int64_t to = transposed_doc_begin(end, b + 1);
+  uint8_t* row = op.codes_t + (int64_t(h) * kDim + d) * a.tokens_t;
+  for (int64_t p = from; p < to; p += kGroup)
+    *reinterpret_cast<uint4*>(row + p) = make_uint4(0, 0, 0, 0);
+}
+
 // ---- the kernel -------------------------------------------------------------------------------
 
 template <int kDim, bool kRotate>
@@ -559,6 +776,7 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   const int t_end = int(min(int64_t(t0) + G::kTileTokens, a.tokens));
   const int c = threadIdx.x % kL;
   const int group = threadIdx.x / kL;
+  if (threadIdx.x == 0) sm.num_tgroups = 0;  // read after stage P's barriers
   auto tile_token = [&](int p, int r) { return p * G::kTokensPerPass + group * kQuadTokens + r; };
 
   // A: every load in flight first, then clean (and report), rotate, row maxima.
@@ -641,8 +859,11 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   }
   __syncthreads();
 
-  // E: one exponent per token.
-  if (threadIdx.x < G::kTileTokens) token_exponents<kDim>(a, opi, sm, t0);
+  // E: one exponent per token; codes_t's groups and gaps.
+  if (threadIdx.x < G::kTileTokens) {
+    token_exponents<kDim>(a, opi, sm, t0);
+    if (op.codes_t != nullptr) list_transposed_groups<kDim>(a, sm, t0, t_end);
+  }
   __syncthreads();
 
   // B: codes, NVFP4, transposed words.
@@ -666,24 +887,26 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   }
   __syncthreads();
 
-  // S: codes_t rows and exponent rows of the tile's span, padding tokens included.
+  // S: codes_t's groups and gaps, then the exponent rows of the tile's span, padding included.
+  if (op.codes_t != nullptr) {
+    // Item idx = row * n + gi: group gi of dim row % kL * 8 + row / kL, so consecutive lanes take
+    // consecutive groups of one dim, then dims whose swizzles differ. row = idx / n through a
+    // float reciprocal: exact, as (idx + 1/2) / n is at least 1/(2n) >= 2^-9 away from an integer
+    // and the float error is below 2^-16 (quotient < 2^8, two roundings).
+    const int n = sm.num_tgroups;  // >= 1: the tile's first token starts a listed group
+    const float inv_n = __frcp_rn(float(n));
+    for (int idx = threadIdx.x; idx < n * kDim; idx += kThreads) {
+      const int row = int(__fmul_rn(float(idx) + 0.5f, inv_n));
+      const int gi = idx - row * n;
+      store_transposed_group<kDim>(op, sm, a.tokens_t, h, (row % kL) * kChunkElems + row / kL, gi);
+    }
+    const int gap_lo = sm.gap_doc_lo;
+    const int64_t gaps = int64_t(sm.gap_doc_hi - gap_lo) * kDim;
+    for (int64_t idx = threadIdx.x; idx < gaps; idx += kThreads)
+      store_transposed_gap<kDim>(a, op, h, int(idx % kDim), gap_lo + int(idx / kDim));
+  }
   const int64_t tp = a.tokens_padded;
   const int span_chunks = int(min(int64_t(G::kTileTokens), tp - t0)) / kVectorBytes;
-  constexpr int kWordsPerVector = kVectorBytes / kBytesPerWord;
-  if (op.codes_t != nullptr) {
-    for (int idx = threadIdx.x; idx < kDim * G::kStoreChunks; idx += kThreads) {
-      const int d = idx / G::kStoreChunks, k = idx % G::kStoreChunks;
-      if (k >= span_chunks) continue;
-      // Logical word m of the chunk sits at physical word m ^ (swizzle & 3) of its aligned group.
-      const int s = transposed_swizzle<kDim>(d);
-      uint4 v = *reinterpret_cast<const uint4*>(
-          &sm.transposed[d][(k * kWordsPerVector) ^ (s & ~(kWordsPerVector - 1))]);
-      if (s & 1) v = make_uint4(v.y, v.x, v.w, v.z);
-      if (s & 2) v = make_uint4(v.z, v.w, v.x, v.y);
-      *reinterpret_cast<uint4*>(op.codes_t + (int64_t(h) * kDim + d) * tp + t0 + k * kVectorBytes) =
-          v;
-    }
-  }
   if (int(threadIdx.x) < span_chunks) {
     const int k = threadIdx.x;
     *reinterpret_cast<uint4*>(op.exponents + h * tp + t0 + k * kVectorBytes) =

@@ -225,6 +225,18 @@ __device__ __forceinline__ void mma_bf16_n256(float (&d)[128], uint64_t a, uint6
       : "l"(a), "l"(b), "r"(scale_d));
 }
 
+// Register-A form: A is 4 b32 registers per thread (the m64k32 e4m3 A fragment, PTX ISA "Register
+// Fragments"), B from shared memory. FP8 has no transpose immediates in either form.
+__device__ __forceinline__ void mma_e4m3_rs_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
+                                                 uint32_t scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " FLAMIA_WGMMA_REGS64
+      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : FLAMIA_WGMMA_ACC64(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
 #undef FLAMIA_WGMMA_ACC8
 #undef FLAMIA_WGMMA_ACC32
 #undef FLAMIA_WGMMA_ACC64
@@ -244,6 +256,23 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[acc_regs(N)], uint64_t desc_
   if constexpr (N == 64) detail::mma_e4m3_n64(d, desc_a, desc_b, accumulate);
   if constexpr (N == 128) detail::mma_e4m3_n128(d, desc_a, desc_b, accumulate);
   if constexpr (N == 256) detail::mma_e4m3_n256(d, desc_a, desc_b, accumulate);
+}
+
+// D[64, N] (+)= A[64, 32] · B[N, 32]^T with A from registers: byte b of a[j] is A(row r + 8 (j &
+// 1), k = 4 (t % 4) + b + 16 (j >> 1)), r = acc_row(t, 0) (a_frag_row / a_frag_k below).
+template <int N>
+__device__ __forceinline__ void mma_e4m3_rs(float (&d)[acc_regs(N)], const uint32_t (&a)[4],
+                                            uint64_t desc_b, bool accumulate) {
+  static_assert(N == 128, "wgmma e4m3 register-A: N = 128 (add shapes as kernels need them)");
+  detail::mma_e4m3_rs_n128(d, a, desc_b, accumulate);
+}
+
+// The e4m3 register A fragment of m64k32: byte b of register j of warpgroup thread t.
+__host__ __device__ constexpr int a_frag_row(int t, int j) {
+  return 16 * (t / 32) + (t % 32) / 4 + 8 * (j & 1);
+}
+__host__ __device__ constexpr int a_frag_k(int t, int j, int b) {
+  return 4 * (t % 4) + b + 16 * (j >> 1);
 }
 
 // D[64, N] (+)= A[64, 16] · B[N, 16]^T, bf16, f32 accumulators, both operands K-major.

@@ -1,0 +1,278 @@
+// Host side of the GPU forward: argument checks, tensor maps, the GPU-built work list and the
+// launch (flamia/attention_gpu.h).
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "device_buffer.h"
+#include "flamia/attention_gpu.h"
+#include "fwd_params.h"
+#include "quantize_outputs.h"
+#include "scheduler.h"
+#include "tma.cuh"
+
+namespace flamia {
+namespace {
+
+using sm90::fwd::kBlockM;
+using sm90::fwd::kBlockN;
+using sm90::fwd::kHeadDim;
+using sm90::fwd::ScoreOperand;
+
+static_assert(kGpuForwardTiles.block_m == kBlockM && kGpuForwardTiles.block_n == kBlockN,
+              "the emulator's tiles must be the kernel's");
+
+[[noreturn]] void reject(const std::string& what) {
+  throw Error("GPU attention: " + what);
+}
+
+void require_device_pointer(const void* p, size_t alignment, const std::string& name) {
+  if (p == nullptr) reject(name + " is null");
+  if (reinterpret_cast<uintptr_t>(p) % alignment != 0)
+    reject(name + " is not " + std::to_string(alignment) + "-byte aligned");
+}
+
+bool same_layout(const PackedLayout& a, const PackedLayout& b) {
+  if (a.num_docs != b.num_docs || a.tokens != b.tokens || a.heads_q != b.heads_q ||
+      a.heads_kv != b.heads_kv || a.head_dim != b.head_dim)
+    return false;
+  return std::equal(a.cu_seqlens, a.cu_seqlens + a.num_docs + 1, b.cu_seqlens);
+}
+
+// E4M3 codes [T][H][D]: one 128-byte row per token and head, boxes of kBlockM tokens.
+CUtensorMap codes_map(const uint8_t* codes, int64_t tokens, int heads) {
+  return sm90::make_tensor_map_3d(
+      codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},
+      {uint64_t(kHeadDim), uint64_t(heads) * kHeadDim}, {uint32_t(kHeadDim), 1, uint32_t(kBlockM)},
+      CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// BF16 inputs (strided view): boxes of 64 elements (one 128-byte swizzle span) by kBlockM tokens.
+CUtensorMap bf16_map(const TokenTensor<const uint16_t>& v, int64_t tokens, int heads) {
+  constexpr uint32_t kSpanElems = 64;
+  return sm90::make_tensor_map_3d(
+      v.data, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+      {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},
+      {uint64_t(v.stride_head) * sizeof(uint16_t), uint64_t(v.stride_token) * sizeof(uint16_t)},
+      {kSpanElems, 1, uint32_t(kBlockM)}, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+}  // namespace
+
+void check_gpu_support(const PackedLayout& layout, const GpuAttentionOptions& options) {
+  validate(layout);
+  if (options.recipe != Recipe::kMxfp8 && options.recipe != Recipe::kMxfp8Qk16)
+    reject(std::string("recipe ") + to_string(options.recipe) +
+           " runs on the CPU emulator only; the GPU kernels implement mxfp8 and mxfp8-qk16");
+  if (options.policy == ScalePolicy::kVGroup16)
+    reject(
+        "policy vgroup16 (per-channel V scales) cannot be folded into P; it is an emulator "
+        "baseline");
+  if (layout.head_dim != kHeadDim)
+    reject("head dim " + std::to_string(layout.head_dim) + " is not built; the kernels use " +
+           std::to_string(kHeadDim));
+}
+
+struct GpuAttention::Impl {
+  PackedLayout layout;
+  std::vector<int32_t> cu_seqlens;  // host copy; layout.cu_seqlens points here
+  GpuAttentionOptions options;
+  sm90::ScheduleGeometry geometry;
+  int64_t items = 0;
+  int max_key_blocks = 0;
+  int ctas = 0;
+  cuda::DeviceBuffer item_buffer, counter, workspace;
+  std::unique_ptr<cuda::QuantizeOutputs> quant;  // the BF16 entry's quantizer outputs
+
+  QuantizeOptions quantize_options() const {
+    QuantizeOptions q;
+    q.policy = options.policy;
+    q.hadamard = options.hadamard;
+    q.transposed = true;
+    return q;
+  }
+};
+
+GpuAttention::GpuAttention(const PackedLayout& layout, const GpuAttentionOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  check_gpu_support(layout, options);
+  Impl& m = *impl_;
+  m.cu_seqlens.assign(layout.cu_seqlens, layout.cu_seqlens + layout.num_docs + 1);
+  m.layout = layout;
+  m.layout.cu_seqlens = m.cu_seqlens.data();
+  m.options = options;
+  m.geometry.block_m = kBlockM;
+  m.geometry.block_n = kBlockN;
+  m.geometry.causal = options.attention.causal;
+  m.items = sm90::count_work_items(m.layout, m.geometry);
+  if (m.items > INT32_MAX) reject("too many work items (" + std::to_string(m.items) + ")");
+  m.max_key_blocks = sm90::max_key_blocks(m.layout, m.geometry);
+  m.item_buffer =
+      cuda::DeviceBuffer(size_t(std::max<int64_t>(m.items, 1)) * sizeof(sm90::WorkItem));
+  m.counter = cuda::DeviceBuffer(sizeof(int));
+  m.workspace =
+      cuda::DeviceBuffer(std::max<size_t>(sm90::schedule_workspace_bytes(m.layout, m.geometry), 1));
+  int device = 0, sms = 0;
+  FLAMIA_CUDA_CHECK(cudaGetDevice(&device));
+  FLAMIA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  m.ctas = int(std::min<int64_t>(m.items, sms));
+}
+
+GpuAttention::~GpuAttention() = default;
+
+int GpuAttention::work_items() const {
+  return int(impl_->items);
+}
+int GpuAttention::ctas() const {
+  return impl_->ctas;
+}
+
+void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceQuantizedAttention& quant,
+                           const DeviceAttentionOutputs& out, cudaStream_t stream) const {
+  const Impl& m = *impl_;
+  const PackedLayout& pl = m.layout;
+  if (in.layout.cu_seqlens == nullptr || !same_layout(in.layout, pl))
+    reject("the inputs' layout differs from the one this GpuAttention was built for");
+  if (in.cu_seqlens == nullptr) reject("device cu_seqlens is null");
+  const bool qk16 = m.options.recipe == Recipe::kMxfp8Qk16;
+  constexpr size_t kAlign = kDeviceAlignment;
+  if (qk16) {
+    require_device_pointer(in.q.data, kAlign, "Q (BF16)");
+    require_device_pointer(in.k.data, kAlign, "K (BF16)");
+    validate_view("Q", in.q, pl.tokens, pl.heads_q, pl.head_dim);
+    validate_view("K", in.k, pl.tokens, pl.heads_kv, pl.head_dim);
+    for (const auto* v : {&in.q, &in.k})
+      if ((v->stride_token * sizeof(uint16_t)) % kAlign != 0 ||
+          (v->stride_head * sizeof(uint16_t)) % kAlign != 0)
+        reject("BF16 Q/K token and head strides must be multiples of 16 bytes");
+  } else {
+    require_device_pointer(quant.q.codes, kAlign, "Q codes");
+    require_device_pointer(quant.k.codes, kAlign, "K codes");
+    require_device_pointer(quant.q.exponents, 1, "Q exponents");
+    require_device_pointer(quant.k.exponents, 1, "K exponents");
+  }
+  require_device_pointer(quant.v.codes_t, kAlign, "V codes_t");
+  require_device_pointer(quant.v.exponents, 1, "V exponents");
+  require_device_pointer(out.o.data, sizeof(uint32_t), "O");
+  validate_view("O", out.o, pl.tokens, pl.heads_q, pl.head_dim);
+  if (out.o.stride_token % 2 != 0 || out.o.stride_head % 2 != 0)
+    reject("O's token and head strides must be even (pairs of BF16 go out as one store)");
+  require_device_pointer(out.lse, sizeof(float), "LSE");
+  if (m.items == 0) return;
+
+  const QuantLayout lq = QuantLayout::make(pl.tokens, pl.heads_q, pl.head_dim, pl.num_docs);
+  const QuantLayout lkv = QuantLayout::make(pl.tokens, pl.heads_kv, pl.head_dim, pl.num_docs);
+  sm90::fwd::Params p;
+  if (qk16) {
+    p.map_q = bf16_map(in.q, pl.tokens, pl.heads_q);
+    p.map_k = bf16_map(in.k, pl.tokens, pl.heads_kv);
+  } else {
+    p.map_q = codes_map(quant.q.codes, pl.tokens, pl.heads_q);
+    p.map_k = codes_map(quant.k.codes, pl.tokens, pl.heads_kv);
+    p.q_exponents = quant.q.exponents;
+    p.k_exponents = quant.k.exponents;
+  }
+  p.map_vt = sm90::make_tensor_map_2d(quant.v.codes_t, CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                                      uint64_t(lkv.tokens_t), uint64_t(pl.heads_kv) * kHeadDim,
+                                      uint64_t(lkv.tokens_t), uint32_t(kBlockN), uint32_t(kHeadDim),
+                                      CU_TENSOR_MAP_SWIZZLE_128B);
+  p.v_exponents = quant.v.exponents;
+  p.tokens_padded = lq.tokens_padded;
+  p.items = m.item_buffer.get<sm90::WorkItem>();
+  p.num_items = int(m.items);
+  p.counter = m.counter.get<int>();
+  p.cu_seqlens = in.cu_seqlens;
+  p.o = out.o.data;
+  p.o_stride_token = out.o.stride_token;
+  p.o_stride_head = out.o.stride_head;
+  p.lse = out.lse;
+  p.tokens = pl.tokens;
+  p.group = pl.group();
+  p.scale_log2 = float(m.options.attention.scale_for(pl.head_dim) * 1.4426950408889634);
+
+  sm90::ScheduleArgs sched;
+  sched.cu_seqlens = in.cu_seqlens;
+  sched.num_docs = pl.num_docs;
+  sched.heads = pl.heads_q;
+  sched.geometry = m.geometry;
+  sched.num_items = m.items;
+  sched.max_key_blocks = m.max_key_blocks;
+  sched.items = m.item_buffer.get<sm90::WorkItem>();
+  sched.counter = p.counter;
+  sched.workspace = m.workspace.get();
+  sm90::build_schedule(sched, stream);
+
+  const bool causal = m.options.attention.causal;
+  if (qk16) {
+    if (causal)
+      sm90::fwd::launch_forward<ScoreOperand::kBf16, true>(p, m.ctas, stream);
+    else
+      sm90::fwd::launch_forward<ScoreOperand::kBf16, false>(p, m.ctas, stream);
+  } else {
+    if (causal)
+      sm90::fwd::launch_forward<ScoreOperand::kE4m3, true>(p, m.ctas, stream);
+    else
+      sm90::fwd::launch_forward<ScoreOperand::kE4m3, false>(p, m.ctas, stream);
+  }
+}
+
+void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceAttentionOutputs& out,
+                           cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (in.layout.cu_seqlens == nullptr || !same_layout(in.layout, m.layout))
+    reject("the inputs' layout differs from the one this GpuAttention was built for");
+  const QuantizeOptions qo = m.quantize_options();
+  if (!m.quant) m.quant = std::make_unique<cuda::QuantizeOutputs>(m.layout, qo, false);
+  DeviceAttentionInputs forward_inputs = in;
+  forward_inputs.dout = {};  // the forward quantizes Q, K, V only
+  quantize_gpu(forward_inputs, qo, m.quant->view(), stream);
+  forward(forward_inputs, m.quant->view(), out, stream);
+}
+
+const DeviceQuantizedAttention& GpuAttention::quantized() const {
+  if (!impl_->quant) reject("no BF16 forward has run yet");
+  return impl_->quant->view();
+}
+
+NonFiniteReport GpuAttention::quantizer_status() const {
+  if (!impl_->quant) reject("no BF16 forward has run yet");
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+  return impl_->quant->non_finite();
+}
+
+AttentionOutputs<float> forward_gpu_to_host(const AttentionBatch& batch,
+                                            const GpuAttentionOptions& options) {
+  const PackedLayout pl = batch.layout();
+  GpuAttention attention(pl, options);
+  const int dim = pl.head_dim;
+  const cuda::DeviceBuffer cu = cuda::DeviceBuffer::upload(batch.cu_seqlens);
+  const cuda::DeviceBuffer q = cuda::DeviceBuffer::upload(batch.q);
+  const cuda::DeviceBuffer k = cuda::DeviceBuffer::upload(batch.k);
+  const cuda::DeviceBuffer v = cuda::DeviceBuffer::upload(batch.v);
+  const cuda::DeviceBuffer o(size_t(pl.tokens) * pl.heads_q * dim * sizeof(uint16_t));
+  const cuda::DeviceBuffer lse(size_t(pl.tokens) * pl.heads_q * sizeof(float));
+
+  DeviceAttentionInputs in;
+  in.layout = pl;
+  in.cu_seqlens = cu.get<int32_t>();
+  in.q = dense_view<const uint16_t>(q.get<uint16_t>(), pl.heads_q, dim);
+  in.k = dense_view<const uint16_t>(k.get<uint16_t>(), pl.heads_kv, dim);
+  in.v = dense_view<const uint16_t>(v.get<uint16_t>(), pl.heads_kv, dim);
+  DeviceAttentionOutputs out;
+  out.o = dense_view<uint16_t>(o.get<uint16_t>(), pl.heads_q, dim);
+  out.lse = lse.get<float>();
+  attention.forward(in, out, nullptr);
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+  attention.quantizer_status().throw_if_any();
+
+  AttentionOutputs<float> result;
+  const std::vector<uint16_t> o_bits = o.download<uint16_t>();
+  result.o.resize(o_bits.size());
+  std::transform(o_bits.begin(), o_bits.end(), result.o.begin(),
+                 [](uint16_t b) { return bf16::decode(b); });
+  result.lse = lse.download<float>();
+  return result;
+}
+
+}  // namespace flamia

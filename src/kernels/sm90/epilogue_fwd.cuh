@@ -1,0 +1,46 @@
+// The forward's epilogue: O = O_acc * 2^R / l to BF16 and LSE = ln 2 * (m - 8 + log2 l), written
+// only for rows inside the document (guarded stores, no TMA: a box would write the next
+// document's rows).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "softmax.cuh"
+
+namespace flamia::sm90::fwd {
+
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct EpilogueRows {
+  int64_t token[kRows];  // packed-buffer token of each of the thread's rows
+  bool valid[kRows];     // inside the document
+};
+
+__device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[kAccRegs],
+                                              RowState& st, const EpilogueRows& rows, int head,
+                                              int quad) {
+  float scale[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    st.l[r] = quad_sum(st.l[r]);
+    scale[r] = exp2i(st.ref[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (!rows.valid[r]) continue;
+    uint16_t* dst = p.o + rows.token[r] * p.o_stride_token + int64_t(head) * p.o_stride_head;
+#pragma unroll
+    for (int g = 0; g < kColPairs; ++g) {
+      const int i = 4 * g + 2 * r;
+      // The emulator's (O * 2^R) / l, both roundings in this order.
+      const float x = __fdiv_rn(o[i] * scale[r], st.l[r]);
+      const float y = __fdiv_rn(o[i + 1] * scale[r], st.l[r]);
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * g + 2 * quad) = __floats2bfloat162_rn(x, y);
+    }
+    if (quad == 0)
+      p.lse[int64_t(head) * p.tokens + rows.token[r]] =
+          kLn2 * ((st.m[r] - kPOffset) + log2f(st.l[r]));
+  }
+}
+
+}  // namespace flamia::sm90::fwd

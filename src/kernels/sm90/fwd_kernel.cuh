@@ -1,0 +1,156 @@
+// The forward attention kernel (DESIGN §6), one persistent CTA per multiprocessor, 384 threads:
+//   warpgroup 0, warp 0  producer: takes work items from the GPU-built list through an atomic
+//                        counter, TMA-loads each item's Q, then its K and V^T tiles (last first)
+//                        into two-stage rings, and stages each tile's key scale vectors
+//                        (fwd_scales.cuh); the other three warps of the warpgroup exit at once.
+//   warpgroups 1, 2      consumers: 64 query rows each (mainloop_fwd.cuh).
+// Included by the two instantiation files (fwd_mxfp8.cu, fwd_qk16.cu) only.
+#pragma once
+
+#include "check.h"
+#include "flamia/quantize.h"
+#include "mainloop_fwd.cuh"
+#include "setmaxnreg.cuh"
+#include "tma.cuh"
+
+namespace flamia::sm90::fwd {
+
+enum class Warpgroup : uint32_t { kProducer = 0, kFirstConsumer = 1 };
+constexpr uint32_t kProducerWarpgroups = 1;
+constexpr uint32_t kConsumerWarpgroups = 2;
+constexpr uint32_t kThreads = (kProducerWarpgroups + kConsumerWarpgroups) * kWarpgroupThreads;
+constexpr uint32_t kConsumerWarps = kConsumerWarpgroups * kWarpgroupWarps;
+static_assert(kConsumerWarpgroups * wgmma::kM == kBlockM, "each consumer owns 64 query rows");
+
+// Registers: the producer keeps loop state and one tile's exponent codes; a consumer holds O, one
+// of S / O_tile, the packed P~ and the row state, which the budget below must cover.
+constexpr uint32_t kProducerRegs = 40;
+constexpr uint32_t kConsumerRegs =
+    consumer_register_budget(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups);
+constexpr uint32_t kConsumerRegHeadroom = 48;
+static_assert(register_split_fits(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups,
+                                  kConsumerRegs),
+              "setmaxnreg budgets exceed the register file");
+static_assert(2 * kAccRegs + kKSlices * kFragRegs + kConsumerRegHeadroom <= kConsumerRegs,
+              "consumer register budget too small");
+
+// Full barriers: Q by the producer's elected lane (one arrival plus the bytes); K and V^T by all
+// 32 producer lanes, each after its own scale-vector stores. Empty barriers: lane 0 of every
+// consumer warp, after its warpgroup's wgmma wait.
+constexpr uint32_t kQFullArrivals = 1;
+constexpr uint32_t kTileFullArrivals = kWarpThreads;
+
+template <ScoreOperand kScore>
+__device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
+  using L = SmemLayout<kScore>;
+  constexpr bool kKeyScales = kScore == ScoreOperand::kE4m3;
+  const int lane = int(lane_index());
+  const bool elected = lane == 0;
+  if (elected) {
+    tma_prefetch_descriptor(&p.map_q);
+    tma_prefetch_descriptor(&p.map_k);
+    tma_prefetch_descriptor(&p.map_vt);
+  }
+  PipelineState<kQStages> q_state;
+  PipelineState<kStages> k_state, v_state;
+  for (;;) {
+    int index = 0;
+    if (elected) index = atomicAdd(p.counter, 1);
+    index = __shfl_sync(kFullMask, index, 0);
+    WorkItem item{-1, 0, 0, 0};
+    if (index < p.num_items) item = p.items[index];
+
+    sm.q_pipe.producer_acquire(q_state);
+    if (elected) {
+      sm.item[q_state.index] = item;
+      if (item.doc < 0) {
+        mbarrier_arrive(&sm.q_pipe.full[q_state.index]);
+      } else {
+        const int64_t q_token = p.cu_seqlens[item.doc] + int64_t(item.q_tile) * kBlockM;
+        sm.q_pipe.producer_commit(q_state, L::kQBytes);
+#pragma unroll
+        for (int span = 0; span < L::kSpans; ++span)
+          tma_load_3d(sm.q[q_state.index] + span * L::kQSpanBytes, &p.map_q, span * L::kSpanElems,
+                      item.head, int32_t(q_token), sm.q_pipe.full_barrier(q_state));
+      }
+    }
+    q_state.advance();
+    if (item.doc < 0) return;
+
+    const int64_t begin = p.cu_seqlens[item.doc];
+    const int kv_head = item.head / p.group;
+    const int64_t vt_begin = transposed_doc_begin(begin, item.doc);
+    const uint8_t* k_exps = p.k_exponents + int64_t(kv_head) * p.tokens_padded;
+    const uint8_t* v_exps = p.v_exponents + int64_t(kv_head) * p.tokens_padded;
+    for (int kb = item.key_blocks - 1; kb >= 0; --kb) {
+      const int64_t t0 = begin + int64_t(kb) * kBlockN;
+      LaneExponents ek{};
+      if constexpr (kKeyScales) ek = load_lane_exponents(k_exps, t0, p.tokens_padded, lane);
+      const LaneExponents ev = load_lane_exponents(v_exps, t0, p.tokens_padded, lane);
+
+      sm.k_pipe.producer_acquire(k_state);
+      if constexpr (kKeyScales) stage_key_scales(sm.kscale[k_state.index], ek, lane);
+      if (elected) {
+        sm.k_pipe.producer_commit(k_state, L::kKBytes);
+#pragma unroll
+        for (int span = 0; span < L::kSpans; ++span)
+          tma_load_3d(sm.k[k_state.index] + span * L::kKSpanBytes, &p.map_k, span * L::kSpanElems,
+                      kv_head, int32_t(t0), sm.k_pipe.full_barrier(k_state));
+      } else {
+        mbarrier_arrive(sm.k_pipe.full_barrier(k_state));
+      }
+      k_state.advance();
+
+      sm.v_pipe.producer_acquire(v_state);
+      stage_value_scales(sm.vscale[v_state.index], ev, lane);
+      if (elected) {
+        sm.v_pipe.producer_commit(v_state, L::kVtBytes);
+        tma_load_2d(sm.vt[v_state.index], &p.map_vt, int32_t(vt_begin + int64_t(kb) * kBlockN),
+                    kv_head * kHeadDim, sm.v_pipe.full_barrier(v_state));
+      } else {
+        mbarrier_arrive(sm.v_pipe.full_barrier(v_state));
+      }
+      v_state.advance();
+    }
+  }
+}
+
+// Dynamic shared memory is only 16 B aligned: allocate slack and align up.
+template <ScoreOperand kScore>
+constexpr size_t kSmemBytes = sizeof(SharedStorage<kScore>) + wgmma::kSw128AtomBytes;
+
+template <ScoreOperand kScore, bool kCausal>
+__global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  // Aligned by pointer arithmetic on smem_raw (not through an integer), so the compiler still
+  // knows every access is to shared memory and emits LDS/STS rather than generic loads.
+  const uint32_t misalign =
+      static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) % wgmma::kSw128AtomBytes;
+  SharedStorage<kScore>& sm = *reinterpret_cast<SharedStorage<kScore>*>(
+      smem_raw + (wgmma::kSw128AtomBytes - misalign) % wgmma::kSw128AtomBytes);
+  if (threadIdx.x == 0) {
+    sm.q_pipe.init(kQFullArrivals, kConsumerWarps);
+    sm.k_pipe.init(kTileFullArrivals, kConsumerWarps);
+    sm.v_pipe.init(kTileFullArrivals, kConsumerWarps);
+  }
+  __syncthreads();
+  const uint32_t warpgroup = warpgroup_index();
+  if (warpgroup == uint32_t(Warpgroup::kProducer)) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (warp_index() == 0) producer<kScore>(p, sm);
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    consumer_mainloop<kScore, kCausal>(p, sm, int(warpgroup - uint32_t(Warpgroup::kFirstConsumer)));
+  }
+}
+
+template <ScoreOperand kScore, bool kCausal>
+void launch_forward_impl(const Params& p, int ctas, cudaStream_t stream) {
+  constexpr size_t kBytes = kSmemBytes<kScore>;
+  FLAMIA_CUDA_CHECK(cudaFuncSetAttribute(forward_kernel<kScore, kCausal>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes)));
+  forward_kernel<kScore, kCausal><<<ctas, kThreads, kBytes, stream>>>(p);
+  FLAMIA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace flamia::sm90::fwd

@@ -1,0 +1,54 @@
+// The forward attention kernel's geometry and parameters, shared by its device stages and the host
+// code that launches it (attention_fwd.cc).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "scheduler.h"
+
+namespace flamia::sm90::fwd {
+
+constexpr int kBlockM = 128;   // query rows per work item: two consumer warpgroups of 64
+constexpr int kBlockN = 128;   // keys per tile
+constexpr int kHeadDim = 128;  // the one head dimension instantiated
+constexpr int kStages = 2;     // depth of the K and V^T rings
+constexpr int kQStages = 2;    // depth of the Q ring (a work item's Q travels with it)
+
+// The operands of the score product S = Q K^T.
+enum class ScoreOperand {
+  kE4m3,  // mxfp8: E4M3 codes with per-token exponents (any policy's exponent arrays)
+  kBf16,  // mxfp8-qk16: the BF16 inputs
+};
+
+struct Params {
+  CUtensorMap map_q;   // [T][Hq][D]: E4M3 codes or BF16 inputs
+  CUtensorMap map_k;   // [T][Hkv][D]
+  CUtensorMap map_vt;  // V's codes_t: [Hkv * D][Tt] (flamia/quantize.h)
+  const WorkItem* items = nullptr;
+  int num_items = 0;
+  int* counter = nullptr;                // next item; zeroed by build_schedule
+  const int32_t* cu_seqlens = nullptr;   // device
+  const uint8_t* q_exponents = nullptr;  // [Hq][Tp] UE8M0; unused for kBf16
+  const uint8_t* k_exponents = nullptr;  // [Hkv][Tp]; unused for kBf16
+  const uint8_t* v_exponents = nullptr;  // [Hkv][Tp]
+  int64_t tokens_padded = 0;             // Tp
+  uint16_t* o = nullptr;                 // BF16 bits, element strides below
+  int64_t o_stride_token = 0, o_stride_head = 0;
+  float* lse = nullptr;  // [Hq][T]
+  int64_t tokens = 0;
+  int group = 1;            // query heads per key/value head
+  float scale_log2 = 0.0f;  // softmax scale * log2(e)
+};
+
+// Launches the persistent kernel (fwd_mxfp8.cu, fwd_qk16.cu) with `ctas` CTAs.
+template <ScoreOperand kScore, bool kCausal>
+void launch_forward(const Params& p, int ctas, cudaStream_t stream);
+
+template <ScoreOperand kScore>
+size_t forward_smem_bytes();
+
+}  // namespace flamia::sm90::fwd

@@ -1,0 +1,279 @@
+// The forward attention's work list: a counting sort of (document, query tile) by visible key
+// blocks, longest first, in one launch of one CTA.
+//
+// Structure (1024 threads):
+//   1. zero one bucket per key-block count (shared memory, or the workspace when too many) and
+//      reset the persistent kernel's counter;
+//   2. histogram: walk every query tile and add `heads` to its key's bucket;
+//   3. exclusive scan of the buckets in descending key order: each becomes its key's first slot;
+//   4. scatter: walk the tiles again, take `heads` consecutive slots from the key's cursor and
+//      write the tile's items there, heads in order.
+// Tiles are walked in chunks of kChunkDocs documents: a block scan gives the chunk's tile offsets
+// and each thread finds its tile's document by binary search in them, so a single 1M-token
+// document and tens of thousands of short ones both spread evenly over the threads. Lanes of a
+// warp whose tiles share a key combine their atomics (one per key per warp), which also keeps a
+// document's tiles of equal cost adjacent in the list.
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "check.h"
+#include "scheduler.h"
+
+namespace flamia::sm90 {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarpThreads = 32;
+constexpr unsigned kFullWarp = 0xFFFFFFFFu;
+constexpr int kDocsPerThread = 2;
+constexpr int kChunkDocs = kThreads * kDocsPerThread;
+
+// A kernel gets 48 KiB of shared memory without opting in; the chunk's tile offsets and the scan
+// take about 8 KiB, the buckets get the rest. 9216 buckets cover a 1M-token document at
+// block_n 128 (8192 key blocks); longer documents or smaller key blocks count in the workspace.
+constexpr size_t kDefaultSharedBytes = 48 * 1024;
+constexpr int kSharedKeyBuckets = 9216;
+
+constexpr size_t kItemAlignment = alignof(WorkItem);  // the kernel stores items as int4
+
+using BlockScan = cub::BlockScan<int, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+
+struct SharedStorage {
+  typename BlockScan::TempStorage scan;
+  int tile_offset[kChunkDocs + 1];  // the chunk's exclusive prefix of query tiles, then its total
+};
+static_assert(sizeof(SharedStorage) + kSharedKeyBuckets * sizeof(int) <= kDefaultSharedBytes,
+              "static + dynamic shared memory must fit the default 48 KiB");
+
+struct Params {
+  const int32_t* cu_seqlens;
+  int num_docs;
+  int heads;
+  ScheduleGeometry geometry;
+  int num_items;
+  int max_key_blocks;
+  int4* items;
+  int* counter;
+  int* workspace_buckets;  // used when the buckets do not fit in shared memory
+};
+
+bool buckets_in_shared(int max_key_blocks) {
+  return max_key_blocks < kSharedKeyBuckets;  // buckets 0..max_key_blocks
+}
+
+size_t bucket_workspace_bytes(int max_key_blocks) {
+  return buckets_in_shared(max_key_blocks) ? 0 : (size_t(max_key_blocks) + 1) * sizeof(int);
+}
+
+// Calls visit(doc, q_tile, key_blocks) once per query tile of the batch, with doc = -1 on threads
+// without a tile in a round. Every thread of the block makes the same number of calls, so `visit`
+// may use warp-collective intrinsics on the full mask.
+template <typename Visit>
+__device__ __forceinline__ void for_each_tile(const Params& p, SharedStorage& s, Visit&& visit) {
+  const int tid = int(threadIdx.x);
+  for (int64_t chunk = 0; chunk < p.num_docs; chunk += kChunkDocs) {
+    int tiles[kDocsPerThread];
+    int thread_tiles = 0;
+#pragma unroll
+    for (int i = 0; i < kDocsPerThread; ++i) {
+      const int64_t doc = chunk + tid * kDocsPerThread + i;
+      tiles[i] = doc < p.num_docs ? schedule_query_tiles(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc],
+                                                         p.geometry.block_m)
+                                  : 0;
+      thread_tiles += tiles[i];
+    }
+    int offset = 0, chunk_tiles = 0;
+    BlockScan(s.scan).ExclusiveSum(thread_tiles, offset, chunk_tiles);
+#pragma unroll
+    for (int i = 0; i < kDocsPerThread; ++i) {
+      s.tile_offset[tid * kDocsPerThread + i] = offset;
+      offset += tiles[i];
+    }
+    if (tid == 0) s.tile_offset[kChunkDocs] = chunk_tiles;
+    __syncthreads();
+
+    for (int round = 0; round < chunk_tiles; round += kThreads) {
+      const int tile = round + tid;
+      int doc = -1, q_tile = 0, key = 0;
+      if (tile < chunk_tiles) {
+        // The last document of the chunk whose first tile is <= `tile`; zero-tile documents share
+        // their offset with the next one and are skipped. Invariant: offset[lo] <= tile <
+        // offset[hi].
+        int lo = 0, hi = kChunkDocs;
+        while (hi - lo > 1) {
+          const int mid = (lo + hi) / 2;
+          if (s.tile_offset[mid] <= tile) {
+            lo = mid;
+          } else {
+            hi = mid;
+          }
+        }
+        doc = int(chunk) + lo;
+        q_tile = tile - s.tile_offset[lo];
+        key = schedule_key_blocks(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc], q_tile, p.geometry);
+      }
+      visit(doc, q_tile, key);
+    }
+    __syncthreads();  // the next chunk rewrites tile_offset and the scan's storage
+  }
+}
+
+template <bool kBucketsInShared>
+__global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Params p) {
+  __shared__ SharedStorage s;
+  extern __shared__ int shared_buckets[];
+  int* buckets = kBucketsInShared ? shared_buckets : p.workspace_buckets;
+  const int tid = int(threadIdx.x);
+  const int lane = tid % kWarpThreads;
+  const unsigned lanes_below = (1u << lane) - 1u;
+
+  for (int64_t k = tid; k <= p.max_key_blocks; k += kThreads) buckets[k] = 0;
+  // The persistent kernel runs after this one on the stream: no ordering beyond that is needed.
+  if (tid == 0) *p.counter = 0;
+  __syncthreads();
+
+  // A key outside [1, max_key_blocks] only arises from a device cu_seqlens unlike the host layout
+  // the arguments were computed from: such tiles are dropped rather than written out of bounds.
+  auto bucket_of = [&](int doc, int key) {
+    return doc >= 0 && key >= 1 && key <= p.max_key_blocks ? key : -1;
+  };
+
+  for_each_tile(p, s, [&](int doc, int, int key) {
+    const int bucket = bucket_of(doc, key);
+    const unsigned peers = __match_any_sync(kFullWarp, bucket);
+    if (bucket >= 0 && lane == __ffs(peers) - 1)
+      atomicAdd(&buckets[bucket], __popc(peers) * p.heads);
+  });
+  __syncthreads();
+
+  // Descending exclusive scan: thread t owns a run of keys counted down from max_key_blocks.
+  {
+    const int64_t num_buckets = int64_t(p.max_key_blocks) + 1;
+    const int64_t per_thread = (num_buckets + kThreads - 1) / kThreads;
+    const int64_t first = tid * per_thread;
+    const int64_t last = first + per_thread < num_buckets ? first + per_thread : num_buckets;
+    int run = 0;
+    for (int64_t r = first; r < last; ++r) run += buckets[p.max_key_blocks - r];
+    int slot = 0;
+    BlockScan(s.scan).ExclusiveSum(run, slot);
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t key = p.max_key_blocks - r;
+      const int count = buckets[key];
+      buckets[key] = slot;
+      slot += count;
+    }
+  }
+  __syncthreads();
+
+  for_each_tile(p, s, [&](int doc, int q_tile, int key) {
+    const int bucket = bucket_of(doc, key);
+    const unsigned peers = __match_any_sync(kFullWarp, bucket);
+    const int leader = __ffs(peers) - 1;
+    int base = 0;
+    if (bucket >= 0 && lane == leader) base = atomicAdd(&buckets[bucket], __popc(peers) * p.heads);
+    base = __shfl_sync(kFullWarp, base, leader);
+    if (bucket < 0) return;
+    const int64_t first = int64_t(base) + int64_t(__popc(peers & lanes_below)) * p.heads;
+    if (first < 0 || first + p.heads > p.num_items) return;
+    for (int h = 0; h < p.heads; ++h) p.items[first + h] = make_int4(doc, q_tile, h, key);
+  });
+}
+
+[[noreturn]] void fail(const std::string& what) {
+  throw Error("build_schedule: " + what);
+}
+
+void validate_geometry(const ScheduleGeometry& g) {
+  if (g.block_m <= 0 || g.block_n <= 0)
+    throw Error("schedule geometry: block_m = " + std::to_string(g.block_m) +
+                " and block_n = " + std::to_string(g.block_n) + " must be positive");
+}
+
+bool aligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+}  // namespace
+
+int64_t count_work_items(const PackedLayout& layout, const ScheduleGeometry& g) {
+  validate_geometry(g);
+  int64_t tiles = 0;
+  for (int b = 0; b < layout.num_docs; ++b)
+    tiles += schedule_query_tiles(layout.doc_length(b), g.block_m);
+  return tiles * layout.heads_q;
+}
+
+int max_key_blocks(const PackedLayout& layout, const ScheduleGeometry& g) {
+  validate_geometry(g);
+  int most = 0;
+  for (int b = 0; b < layout.num_docs; ++b) {
+    const int32_t len = layout.doc_length(b);
+    if (len == 0) continue;
+    // The last tile sees the most keys, causal or not.
+    const int32_t last_tile = schedule_query_tiles(len, g.block_m) - 1;
+    most = std::max(most, int(schedule_key_blocks(len, last_tile, g)));
+  }
+  return most;
+}
+
+size_t schedule_workspace_bytes(const PackedLayout& layout, const ScheduleGeometry& g) {
+  return bucket_workspace_bytes(max_key_blocks(layout, g));
+}
+
+void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
+  validate_geometry(a.geometry);
+  if (a.num_docs < 0) fail("num_docs = " + std::to_string(a.num_docs) + " is negative");
+  if (a.heads <= 0) fail("heads = " + std::to_string(a.heads) + " must be positive");
+  if (a.num_items < 0 || a.num_items > INT_MAX)
+    fail("num_items = " + std::to_string(a.num_items) +
+         " is outside [0, INT_MAX] (the work counter is an int)");
+  if (a.num_items % a.heads != 0)
+    fail("num_items = " + std::to_string(a.num_items) + " is not a multiple of heads = " +
+         std::to_string(a.heads) + " (count_work_items of the same layout and heads?)");
+  if (a.counter == nullptr) fail("counter is null");
+  if (!aligned(a.counter, alignof(int)))
+    fail("counter is not " + std::to_string(alignof(int)) + "-byte aligned");
+  if (a.num_items == 0) {
+    FLAMIA_CUDA_CHECK(cudaMemsetAsync(a.counter, 0, sizeof(int), stream));
+    return;
+  }
+  if (a.num_docs == 0) fail("num_items = " + std::to_string(a.num_items) + " without documents");
+  if (a.cu_seqlens == nullptr) fail("device cu_seqlens is null");
+  if (!aligned(a.cu_seqlens, alignof(int32_t))) fail("device cu_seqlens is not 4-byte aligned");
+  if (a.max_key_blocks <= 0 || a.max_key_blocks == INT_MAX)
+    fail("max_key_blocks = " + std::to_string(a.max_key_blocks) +
+         " must be in [1, INT_MAX) when there are items");
+  if (a.items == nullptr) fail("items is null");
+  if (!aligned(a.items, kItemAlignment))
+    fail("items is not " + std::to_string(kItemAlignment) + "-byte aligned");
+  const bool in_shared = buckets_in_shared(a.max_key_blocks);
+  if (!in_shared && a.workspace == nullptr)
+    fail("workspace is null; max_key_blocks = " + std::to_string(a.max_key_blocks) + " needs " +
+         std::to_string(bucket_workspace_bytes(a.max_key_blocks)) +
+         " bytes (schedule_workspace_bytes)");
+  if (!in_shared && !aligned(a.workspace, alignof(int)))
+    fail("workspace is not " + std::to_string(alignof(int)) + "-byte aligned");
+
+  Params p;
+  p.cu_seqlens = a.cu_seqlens;
+  p.num_docs = a.num_docs;
+  p.heads = a.heads;
+  p.geometry = a.geometry;
+  p.num_items = int(a.num_items);
+  p.max_key_blocks = a.max_key_blocks;
+  p.items = reinterpret_cast<int4*>(a.items);
+  p.counter = a.counter;
+  p.workspace_buckets = static_cast<int*>(a.workspace);
+  if (in_shared) {
+    const size_t bucket_bytes = (size_t(a.max_key_blocks) + 1) * sizeof(int);
+    build_schedule_kernel<true><<<1, kThreads, bucket_bytes, stream>>>(p);
+  } else {
+    build_schedule_kernel<false><<<1, kThreads, 0, stream>>>(p);
+  }
+  FLAMIA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace flamia::sm90

@@ -1,0 +1,77 @@
+// The forward attention's work list, built on the GPU once per call (DESIGN §6 "Scheduling").
+//
+// A work item is one (document, query head, query tile) of a packed batch; query tiles are
+// document-relative (a document's first tile starts at its first token) and zero-length documents
+// have none. An item's cost is its number of visible key blocks. build_schedule writes the items
+// sorted by that cost, longest first (LPT), so persistent CTAs that take items in order through an
+// atomic counter finish close together. Within one cost the `heads` items of a query tile are
+// adjacent and in head order (the heads of a GQA group then share K/V in L2); the order of tiles
+// of equal cost may differ from call to call.
+//
+// Plain C++: usable from .cc files; the inline helpers also compile as device code under nvcc.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flamia/common.h"
+#include "flamia/packed.h"
+
+namespace flamia::sm90 {
+
+struct alignas(16) WorkItem {  // 16 bytes, read by the kernel with one vector load
+  int32_t doc;
+  int32_t q_tile;      // document-relative query tile index
+  int32_t head;        // query head
+  int32_t key_blocks;  // the sort key (visible key blocks)
+};
+static_assert(sizeof(WorkItem) == 16, "one 16-byte vector load per item");
+
+struct ScheduleGeometry {
+  int block_m = 128, block_n = 128;
+  bool causal = true;
+};
+
+// Query tiles of a document of `doc_len` tokens: ceil(doc_len / block_m).
+FLAMIA_HD int32_t schedule_query_tiles(int32_t doc_len, int block_m) {
+  return int32_t((int64_t(doc_len) + block_m - 1) / block_m);
+}
+
+// Visible key blocks of query tile `q_tile` of a document of `doc_len` tokens: causal, the keys up
+// to the tile's last row (clamped to the document); otherwise the whole document.
+FLAMIA_HD int32_t schedule_key_blocks(int32_t doc_len, int32_t q_tile, const ScheduleGeometry& g) {
+  const int64_t tile_end = (int64_t(q_tile) + 1) * g.block_m;
+  const int64_t keys = g.causal && tile_end < doc_len ? tile_end : int64_t(doc_len);
+  return int32_t((keys + g.block_n - 1) / g.block_n);
+}
+
+// Host, on a layout that validate() accepted (layout.cu_seqlens is host memory); each throws
+// flamia::Error on a non-positive block size.
+// Items of the layout: query tiles of every document times layout.heads_q.
+int64_t count_work_items(const PackedLayout& layout, const ScheduleGeometry& g);
+// The largest key_blocks of any item (0 without items): ScheduleArgs::max_key_blocks.
+int max_key_blocks(const PackedLayout& layout, const ScheduleGeometry& g);
+// Device workspace build_schedule needs (bytes; 0 for all but very long documents, and then
+// ScheduleArgs::workspace may be null).
+size_t schedule_workspace_bytes(const PackedLayout& layout, const ScheduleGeometry& g);
+
+struct ScheduleArgs {
+  const int32_t* cu_seqlens = nullptr;  // device
+  int num_docs = 0, heads = 0;
+  ScheduleGeometry geometry;
+  int64_t num_items = 0;      // count_work_items; at most INT_MAX (the counter is an int)
+  int max_key_blocks = 0;     // largest key_blocks of any item (host-computed)
+  WorkItem* items = nullptr;  // device [num_items], written sorted; 16-byte aligned
+  int* counter = nullptr;     // device, reset to 0 by build_schedule (the kernel's atomic)
+  void* workspace = nullptr;  // device, schedule_workspace_bytes
+};
+
+// Enqueues the build on `stream` (no host synchronisation; validates args on the host, throws
+// flamia::Error). Without items it only resets the counter. The device cu_seqlens must describe
+// the layout num_items and max_key_blocks were computed from; if it does not, the kernel still
+// writes nothing outside items[0, num_items) and the buckets, but the list is then incomplete.
+void build_schedule(const ScheduleArgs& args, cudaStream_t stream);
+
+}  // namespace flamia::sm90

@@ -1,0 +1,333 @@
+// The forward attention's work list built on the GPU, against an independent host enumeration of
+// the (document, query tile, head) items: a permutation of them, correct key blocks, longest first,
+// the heads of a tile adjacent and in order, the counter reset; on one document, many equal ones,
+// hundreds of odd ones, tens of thousands, zero-length and one-token documents, a 1M-token
+// document (with buckets in shared memory and in the workspace), causal and not, two tile heights.
+// Outputs are poisoned first. Host tests cover the counts and the argument checks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "flamia/packed.h"
+#include "gpu_test.h"
+#include "scheduler.h"
+#include "sm90_test_util.h"
+
+namespace flamia {
+namespace {
+
+using sm90::ScheduleArgs;
+using sm90::ScheduleGeometry;
+using sm90::WorkItem;
+using test::DeviceBuffer;
+
+constexpr int kMillion = 1 << 20;
+constexpr int32_t kPoisonWord = -1;  // every byte 0xFF
+
+// The four geometries the forward kernel uses: tiles of 128 or 64 queries, 128 keys, causal or not.
+std::vector<ScheduleGeometry> forward_geometries() {
+  std::vector<ScheduleGeometry> all;
+  for (bool causal : {true, false})
+    for (int block_m : {128, 64}) all.push_back({block_m, 128, causal});
+  return all;
+}
+
+std::string describe(const ScheduleGeometry& g, int heads) {
+  return "block_m " + std::to_string(g.block_m) + ", block_n " + std::to_string(g.block_n) +
+         (g.causal ? ", causal" : ", non-causal") + ", heads " + std::to_string(heads);
+}
+
+PackedLayout layout_of(const std::vector<int32_t>& cu, int heads) {
+  PackedLayout l;
+  l.cu_seqlens = cu.data();
+  l.num_docs = int(cu.size()) - 1;
+  l.tokens = cu.back();
+  l.heads_q = heads;
+  l.heads_kv = 1;
+  l.head_dim = 128;
+  validate(l);
+  return l;
+}
+
+// Written out independently of schedule_query_tiles / schedule_key_blocks.
+int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+int64_t expected_key_blocks(int64_t len, int64_t q_tile, const ScheduleGeometry& g) {
+  const int64_t visible = g.causal ? std::min(len, (q_tile + 1) * g.block_m) : len;
+  return ceil_div(visible, g.block_n);
+}
+
+// Builds the list on the GPU and checks it item by item.
+void check_schedule(const std::vector<int64_t>& lengths, int heads, const ScheduleGeometry& g) {
+  SCOPED_TRACE(describe(g, heads) + ", " + std::to_string(lengths.size()) + " documents");
+  const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
+  const PackedLayout layout = layout_of(cu, heads);
+  const int num_docs = int(lengths.size());
+
+  std::vector<int64_t> first_tile(size_t(num_docs) + 1, 0);
+  int64_t most_keys = 0;
+  for (int b = 0; b < num_docs; ++b) {
+    first_tile[b + 1] = first_tile[b] + ceil_div(lengths[b], g.block_m);
+    most_keys = std::max(most_keys, ceil_div(lengths[b], g.block_n));
+  }
+  const int64_t num_items = first_tile[num_docs] * heads;
+  ASSERT_EQ(sm90::count_work_items(layout, g), num_items);
+  ASSERT_EQ(sm90::max_key_blocks(layout, g), most_keys);
+
+  const DeviceBuffer<int32_t> d_cu(cu);
+  DeviceBuffer<WorkItem> items(size_t(std::max<int64_t>(num_items, 1)));
+  DeviceBuffer<int> counter(1);
+  DeviceBuffer<uint8_t> workspace(std::max<size_t>(sm90::schedule_workspace_bytes(layout, g), 1));
+  items.poison();
+  counter.poison();
+  workspace.poison();
+
+  ScheduleArgs args;
+  args.cu_seqlens = d_cu.get();
+  args.num_docs = num_docs;
+  args.heads = heads;
+  args.geometry = g;
+  args.num_items = num_items;
+  args.max_key_blocks = int(most_keys);
+  args.items = items.get();
+  args.counter = counter.get();
+  args.workspace = workspace.get();
+  cudaStream_t stream = nullptr;
+  FLAMIA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  sm90::build_schedule(args, stream);
+  FLAMIA_CUDA_CHECK(cudaGetLastError());
+  FLAMIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLAMIA_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  EXPECT_EQ(counter.download()[0], 0);
+  const std::vector<WorkItem> got = items.download();
+  if (num_items == 0) {  // nothing may be written
+    EXPECT_EQ(got[0].doc, kPoisonWord);
+    return;
+  }
+  // num_items distinct members of a set of num_items: a permutation.
+  std::vector<bool> seen(size_t(num_items), false);
+  for (int64_t i = 0; i < num_items; ++i) {
+    const WorkItem& w = got[size_t(i)];
+    const std::string where = "item " + std::to_string(i) + " = (doc " + std::to_string(w.doc) +
+                              ", q_tile " + std::to_string(w.q_tile) + ", head " +
+                              std::to_string(w.head) + ", key_blocks " +
+                              std::to_string(w.key_blocks) + ")";
+    ASSERT_TRUE(w.doc >= 0 && w.doc < num_docs) << where;
+    ASSERT_TRUE(w.q_tile >= 0 && w.q_tile < first_tile[w.doc + 1] - first_tile[w.doc]) << where;
+    ASSERT_TRUE(w.head >= 0 && w.head < heads) << where;
+    ASSERT_EQ(w.key_blocks, expected_key_blocks(lengths[w.doc], w.q_tile, g)) << where;
+    const size_t flat = size_t((first_tile[w.doc] + w.q_tile) * heads + w.head);
+    ASSERT_FALSE(seen[flat]) << where << " appears twice";
+    seen[flat] = true;
+    if (i == 0) continue;
+    const WorkItem& prev = got[size_t(i - 1)];
+    ASSERT_LE(w.key_blocks, prev.key_blocks) << where << ": not longest first";
+    if (w.head > 0) {  // the tile's heads are adjacent and in order (K/V reuse in L2)
+      ASSERT_TRUE(prev.doc == w.doc && prev.q_tile == w.q_tile && prev.head == w.head - 1)
+          << where << " does not follow head " << w.head - 1 << " of its tile";
+    }
+  }
+}
+
+void check_all_geometries(const std::vector<int64_t>& lengths, int heads) {
+  for (const ScheduleGeometry& g : forward_geometries()) check_schedule(lengths, heads, g);
+}
+
+// Deterministic lengths in [lo, hi].
+std::vector<int64_t> spread_lengths(int count, int64_t lo, int64_t hi) {
+  std::vector<int64_t> lengths(static_cast<size_t>(count));
+  uint32_t state = 12345u;
+  for (int64_t& len : lengths) {
+    state = state * 1664525u + 1013904223u;  // LCG
+    len = lo + int64_t((state >> 8) % uint32_t(hi - lo + 1));
+  }
+  return lengths;
+}
+
+TEST(GpuScheduler, OneDocument) {
+  FLAMIA_REQUIRE_GPU();
+  check_all_geometries({1000}, 8);
+}
+
+TEST(GpuScheduler, SixteenDocumentsOf4096) {
+  FLAMIA_REQUIRE_GPU();
+  check_all_geometries(std::vector<int64_t>(16, 4096), 32);
+}
+
+TEST(GpuScheduler, HundredsOfOddLengths) {
+  FLAMIA_REQUIRE_GPU();
+  check_all_geometries(spread_lengths(257, 17, 496), 4);
+}
+
+TEST(GpuScheduler, ZeroLengthDocumentsAtStartMiddleAndEnd) {
+  FLAMIA_REQUIRE_GPU();
+  check_all_geometries({0, 0, 300, 0, 129, 0, 0, 1, 128, 0}, 3);
+}
+
+TEST(GpuScheduler, OneTokenDocuments) {
+  FLAMIA_REQUIRE_GPU();
+  check_all_geometries(std::vector<int64_t>(500, 1), 2);
+}
+
+TEST(GpuScheduler, TensOfThousandsOfDocumentsSpanManyChunks) {
+  FLAMIA_REQUIRE_GPU();
+  check_all_geometries(spread_lengths(30000, 0, 300), 2);
+}
+
+TEST(GpuScheduler, OneHundredTwentyEightHeads) {
+  FLAMIA_REQUIRE_GPU();
+  check_all_geometries({5000, 3000, 129, 0, 64}, 128);
+}
+
+TEST(GpuScheduler, OneMillionTokenDocument) {
+  FLAMIA_REQUIRE_GPU();
+  const std::vector<int64_t> lengths = {kMillion};
+  const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
+  EXPECT_EQ(sm90::max_key_blocks(layout_of(cu, 2), ScheduleGeometry{}), 8192);
+  check_all_geometries(lengths, 2);
+}
+
+TEST(GpuScheduler, KeyBucketsInTheWorkspace) {
+  FLAMIA_REQUIRE_GPU();
+  // 16384 key blocks of 64: more buckets than shared memory holds.
+  const std::vector<int64_t> lengths = {300, kMillion, 0, 4097};
+  const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
+  for (bool causal : {true, false}) {
+    const ScheduleGeometry g{128, 64, causal};
+    ASSERT_GT(sm90::schedule_workspace_bytes(layout_of(cu, 1), g), 0u);
+    check_schedule(lengths, 1, g);
+  }
+}
+
+TEST(GpuScheduler, NoItemsOnlyResetsTheCounter) {
+  FLAMIA_REQUIRE_GPU();
+  check_all_geometries({}, 4);
+  check_all_geometries({0, 0, 0}, 4);
+}
+
+// ---- host: counts and argument checks (no GPU needed) ----
+
+TEST(GpuSchedulerHost, CountsTilesAndKeyBlocks) {
+  const std::vector<int32_t> cu = cu_seqlens_from_lengths({0, 1, 128, 129, 300});
+  const PackedLayout l = layout_of(cu, 2);
+  // Tiles of 128: 0 + 1 + 1 + 2 + 3; of 64: 0 + 1 + 2 + 3 + 5.
+  EXPECT_EQ(sm90::count_work_items(l, {128, 128, true}), 14);
+  EXPECT_EQ(sm90::count_work_items(l, {64, 128, false}), 22);
+  EXPECT_EQ(sm90::max_key_blocks(l, {128, 128, true}), 3);
+  EXPECT_EQ(sm90::max_key_blocks(l, {64, 64, false}), 5);
+  EXPECT_EQ(sm90::schedule_workspace_bytes(l, {}), 0u);
+
+  // A 300-token document: causal tiles see 64, 128, 192, 256, 300 keys (tiles of 64) or 128, 256,
+  // 300 (tiles of 128); non-causal tiles all see 300.
+  const int expect_64[] = {1, 1, 2, 2, 3};
+  for (int t = 0; t < 5; ++t)
+    EXPECT_EQ(sm90::schedule_key_blocks(300, t, {64, 128, true}), expect_64[t]) << t;
+  for (int t = 0; t < 3; ++t) {
+    EXPECT_EQ(sm90::schedule_key_blocks(300, t, {128, 128, true}), t + 1) << t;
+    EXPECT_EQ(sm90::schedule_key_blocks(300, t, {128, 128, false}), 3) << t;
+  }
+  EXPECT_EQ(sm90::schedule_query_tiles(0, 128), 0);
+  EXPECT_EQ(sm90::schedule_query_tiles(INT32_MAX, 64), (int64_t(INT32_MAX) + 63) / 64);
+
+  const std::vector<int32_t> none = cu_seqlens_from_lengths({});
+  EXPECT_EQ(sm90::count_work_items(layout_of(none, 1), {}), 0);
+  EXPECT_EQ(sm90::max_key_blocks(layout_of(none, 1), {}), 0);
+}
+
+TEST(GpuSchedulerHost, WorkspaceOnlyForVeryManyKeyBlocks) {
+  const std::vector<int32_t> cu = cu_seqlens_from_lengths({kMillion});
+  const PackedLayout l = layout_of(cu, 4);
+  EXPECT_EQ(sm90::schedule_workspace_bytes(l, {128, 128, true}), 0u);
+  EXPECT_GE(sm90::schedule_workspace_bytes(l, {128, 64, true}), (16384u + 1) * sizeof(int));
+}
+
+void expect_error(const std::function<void()>& f, const std::string& fragment) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one mentioning '" << fragment << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(GpuSchedulerHost, RejectsBadArguments) {
+  // Host stand-ins for device pointers: every case below throws before anything is enqueued.
+  alignas(16) static WorkItem items[2];
+  static int counter;
+  static int32_t cu[2] = {0, 100};
+  ScheduleArgs good;
+  good.cu_seqlens = cu;
+  good.num_docs = 1;
+  good.heads = 2;
+  good.num_items = 2;
+  good.max_key_blocks = 1;
+  good.items = items;
+  good.counter = &counter;
+  auto run = [](ScheduleArgs a) { return [=] { sm90::build_schedule(a, nullptr); }; };
+
+  ScheduleArgs a = good;
+  a.geometry.block_m = 0;
+  expect_error(run(a), "must be positive");
+  a = good;
+  a.geometry.block_n = -128;
+  expect_error(run(a), "must be positive");
+  a = good;
+  a.heads = 0;
+  expect_error(run(a), "heads = 0");
+  a = good;
+  a.num_docs = -1;
+  expect_error(run(a), "num_docs = -1");
+  a = good;
+  a.num_items = -2;
+  expect_error(run(a), "num_items = -2");
+  a = good;
+  a.num_items = int64_t(INT_MAX) + 1;
+  expect_error(run(a), "INT_MAX");
+  a = good;
+  a.num_items = 3;
+  expect_error(run(a), "multiple of heads");
+  a = good;
+  a.counter = nullptr;
+  expect_error(run(a), "counter is null");
+  a = good;
+  a.num_docs = 0;
+  expect_error(run(a), "without documents");
+  a = good;
+  a.cu_seqlens = nullptr;
+  expect_error(run(a), "cu_seqlens is null");
+  a = good;
+  a.max_key_blocks = 0;
+  expect_error(run(a), "max_key_blocks = 0");
+  a = good;
+  a.items = nullptr;
+  expect_error(run(a), "items is null");
+  a = good;
+  a.items = reinterpret_cast<WorkItem*>(reinterpret_cast<char*>(items) + 4);
+  expect_error(run(a), "items is not 16-byte aligned");
+  a = good;
+  a.max_key_blocks = 20000;
+  expect_error(run(a), "workspace is null");
+
+  const std::vector<int32_t> one = cu_seqlens_from_lengths({10});
+  expect_error(
+      [&] {
+        sm90::count_work_items(layout_of(one, 1), {0, 128, true});
+      },
+      "must be positive");
+  expect_error(
+      [&] {
+        sm90::max_key_blocks(layout_of(one, 1), {128, 0, true});
+      },
+      "must be positive");
+}
+
+}  // namespace
+}  // namespace flamia
