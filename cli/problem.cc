@@ -43,7 +43,8 @@ TileShape parse_tile(const std::string& s, const char* name) {
 
 }  // namespace
 
-std::vector<OptionSpec> problem_options(const std::string& docs, int heads, int dim) {
+std::vector<OptionSpec> problem_options(const std::string& docs, int heads, int dim,
+                                        const std::string& backend) {
   return {
       {"docs", docs, "document lengths in tokens, packed in this order"},
       {"heads", std::to_string(heads), "query heads"},
@@ -58,8 +59,9 @@ std::vector<OptionSpec> problem_options(const std::string& docs, int heads, int 
       {"softmax-scale", "0", "softmax scale (0: 1/sqrt(dim))"},
       {"fwd-tile", "128x128", "emulator forward tile, query rows x keys (cuda: the kernel's)"},
       {"bwd-tile", "64x128", "emulator backward tile, query rows x keys"},
-      {"backend", "cpu",
-       "cpu (the emulator) or cuda (the sm_90a forward, next to the emulator with its tiles)"},
+      {"backend", backend,
+       "cpu (the emulator), cuda (the sm_90a forward, next to the emulator with its tiles), or "
+       "auto (cuda when an sm_90 GPU is present, else cpu)"},
   };
 }
 
@@ -81,8 +83,9 @@ Problem parse_problem(const Args& a) {
   p.forward = parse_tile(a.str("fwd-tile"), "fwd-tile");
   p.backward = parse_tile(a.str("bwd-tile"), "bwd-tile");
   p.backend = a.str("backend");
+  if (p.backend == "auto") p.backend = query_device().available ? "cuda" : "cpu";
   if (p.backend != "cpu" && p.backend != "cuda")
-    throw Error("--backend must be cpu or cuda, got '" + p.backend + "'");
+    throw Error("--backend must be cpu, cuda or auto, got '" + p.backend + "'");
   return p;
 }
 

@@ -20,8 +20,9 @@ struct Problem {
   std::string backend;
 };
 
-// The option table; `docs` is the default document list.
-std::vector<OptionSpec> problem_options(const std::string& docs, int heads, int dim);
+// The option table; `docs` is the default document list, `backend` the default backend.
+std::vector<OptionSpec> problem_options(const std::string& docs, int heads, int dim,
+                                        const std::string& backend = "cpu");
 Problem parse_problem(const Args& args);
 // What the GPU forward runs besides the problem itself.
 struct GpuVariant {
