@@ -28,6 +28,7 @@ namespace {
 
 using cuda::DeviceBuffer;
 using cuda::QuantizeOutputs;
+using test::expect_error;
 
 // Documents of 0, 1, 31, 32, 33, 127 and 129 tokens at unaligned offsets; 735 tokens, so six
 // 128-token tiles that block32 blocks and vgroup16 groups straddle.
@@ -465,15 +466,6 @@ TEST(GpuQuantize, TransposedLayoutOnUnalignedAndEmptyDocuments) {
   EXPECT_EQ(std::count(gpu.k.codes_t.begin(), gpu.k.codes_t.end(), uint8_t(0)),
             kHeadsKV * 128 * 48);
   expect_same(quantize_cpu(empty.inputs(), QuantizeOptions{}), gpu);
-}
-
-void expect_error(const std::function<void()>& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning '" << fragment << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
 }
 
 TEST(GpuQuantize, RejectsBadArguments) {

@@ -26,6 +26,7 @@ using sm90::ScheduleArgs;
 using sm90::ScheduleGeometry;
 using sm90::WorkItem;
 using test::DeviceBuffer;
+using test::expect_error;
 
 constexpr int kMillion = 1 << 20;
 constexpr int32_t kPoisonWord = -1;  // every byte 0xFF
@@ -247,15 +248,6 @@ TEST(GpuSchedulerHost, WorkspaceOnlyForVeryManyKeyBlocks) {
   const PackedLayout l = layout_of(cu, 4);
   EXPECT_EQ(sm90::schedule_workspace_bytes(l, {128, 128, true}), 0u);
   EXPECT_GE(sm90::schedule_workspace_bytes(l, {128, 64, true}), (16384u + 1) * sizeof(int));
-}
-
-void expect_error(const std::function<void()>& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning '" << fragment << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
 }
 
 TEST(GpuSchedulerHost, RejectsBadArguments) {
