@@ -416,15 +416,12 @@ class Runner {
 
   static DeviceAttentionInputs flamia_inputs(const WorkloadResult& r, const Buffers& b,
                                              const std::vector<int32_t>& cu, int set) {
-    const int hq = r.w.heads_q, hkv = r.w.heads_kv, d = r.w.head_dim;
-    DeviceAttentionInputs x;
-    x.layout = {cu.data(), int(cu.size()) - 1, r.w.tokens(), hq, hkv, d};
-    x.cu_seqlens = b.cu_seqlens.get<int32_t>();
-    x.q = dense_view<const uint16_t>(b.q[size_t(set)].get<uint16_t>(), hq, d);
-    x.k = dense_view<const uint16_t>(b.k[size_t(set)].get<uint16_t>(), hkv, d);
-    x.v = dense_view<const uint16_t>(b.v[size_t(set)].get<uint16_t>(), hkv, d);
-    x.dout = dense_view<const uint16_t>(b.dout[size_t(set)].get<uint16_t>(), hq, d);
-    return x;
+    const PackedLayout layout{cu.data(),   int(cu.size()) - 1, r.w.tokens(),
+                              r.w.heads_q, r.w.heads_kv,       r.w.head_dim};
+    const size_t s = size_t(set);
+    return dense_device_inputs(layout, b.cu_seqlens.get<int32_t>(), b.q[s].get<uint16_t>(),
+                               b.k[s].get<uint16_t>(), b.v[s].get<uint16_t>(),
+                               b.dout[s].get<uint16_t>());
   }
 
   void run_flamia(WorkloadResult& r, Buffers& b) {

@@ -111,15 +111,10 @@ int bench_quantize(int argc, char** argv, int first) {
     cuda::fill_random_bf16(set.k.get<uint16_t>(), kv_elems, set_seed + 1, stream);
     cuda::fill_random_bf16(set.v.get<uint16_t>(), kv_elems, set_seed + 2, stream);
     if (backward) cuda::fill_random_bf16(set.dout.get<uint16_t>(), q_elems, set_seed + 3, stream);
-    DeviceAttentionInputs in;
-    in.layout = layout;
-    in.cu_seqlens = cu_device.get<int32_t>();
-    in.q = dense_view<const uint16_t>(set.q.get<uint16_t>(), heads_q, dim);
-    in.k = dense_view<const uint16_t>(set.k.get<uint16_t>(), heads_kv, dim);
-    in.v = dense_view<const uint16_t>(set.v.get<uint16_t>(), heads_kv, dim);
-    in.dout = dense_view<const uint16_t>(set.dout.get<uint16_t>(), heads_q, dim);
+    views.push_back(dense_device_inputs(layout, cu_device.get<int32_t>(), set.q.get<uint16_t>(),
+                                        set.k.get<uint16_t>(), set.v.get<uint16_t>(),
+                                        set.dout.get<uint16_t>()));
     inputs.push_back(std::move(set));
-    views.push_back(in);
   }
   const cuda::QuantizeOutputs out(layout, opt, backward);
   const bench::Timing t_quant =

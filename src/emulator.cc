@@ -185,7 +185,7 @@ EmulatorResult emulate(const AttentionBatch& batch, const EmulatorConfig& config
   p.config = config;
   p.layout = layout;
   p.scale = float(config.attention.scale_for(layout.head_dim));
-  p.scale_log2 = p.scale * kLog2e;
+  p.scale_log2 = config.attention.scale_log2_for(layout.head_dim);
 
   const int64_t T = layout.tokens;
   const int hq = layout.heads_q, hkv = layout.heads_kv, dim = layout.head_dim;

@@ -8,9 +8,6 @@
 
 namespace flamia::emu {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
 // Rows of one document and head of an operand: value[i][d] * 2^exponent[i]. `values` are what the
 // MMA consumes (E4M3 code values, BF16 values, or NVFP4 e2m1 x local scale), unscaled.
 struct ScaledRows {

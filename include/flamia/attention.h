@@ -21,6 +21,10 @@ constexpr Recipe kAllRecipes[] = {Recipe::kBf16, Recipe::kMxfp8, Recipe::kMxfp8Q
 const char* to_string(Recipe r);
 Recipe parse_recipe(const std::string& name);  // throws Error listing the valid names
 
+// FP32 constants of the base-2 softmax, shared by the emulator and the kernels.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 struct AttentionConfig {
   bool causal = true;
   double softmax_scale = 0.0;  // 0 selects 1 / sqrt(head_dim)
@@ -28,6 +32,8 @@ struct AttentionConfig {
   double scale_for(int head_dim) const {
     return softmax_scale > 0.0 ? softmax_scale : 1.0 / std::sqrt(double(head_dim));
   }
+  // The scale in log2 units, rounded as the emulator and the kernels both use it.
+  float scale_log2_for(int head_dim) const { return float(scale_for(head_dim)) * kLog2e; }
 };
 
 // Forward and backward results on the host. o, dq: [tokens][heads_q][dim]; dk, dv:

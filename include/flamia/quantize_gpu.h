@@ -47,6 +47,21 @@ struct DeviceAttentionInputs {
   TokenTensor<const uint16_t> q, k, v, dout;  // device BF16 bits; dout.data null: forward only
 };
 
+// Inputs over dense [T][H][D] device buffers (`dout` null: forward only).
+inline DeviceAttentionInputs dense_device_inputs(const PackedLayout& layout,
+                                                 const int32_t* cu_seqlens, const uint16_t* q,
+                                                 const uint16_t* k, const uint16_t* v,
+                                                 const uint16_t* dout = nullptr) {
+  DeviceAttentionInputs in;
+  in.layout = layout;
+  in.cu_seqlens = cu_seqlens;
+  in.q = dense_view(q, layout.heads_q, layout.head_dim);
+  in.k = dense_view(k, layout.heads_kv, layout.head_dim);
+  in.v = dense_view(v, layout.heads_kv, layout.head_dim);
+  in.dout = dense_view(dout, layout.heads_q, layout.head_dim);
+  return in;
+}
+
 // Alignment of every device pointer (16-byte vector accesses); input token and head strides must
 // be multiples of kDeviceAlignment bytes too. cudaMalloc's allocations satisfy it.
 constexpr int kDeviceAlignment = 16;

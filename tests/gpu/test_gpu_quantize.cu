@@ -225,17 +225,24 @@ __global__ void compare_e4m3_conversion(unsigned long long* mismatches, unsigned
   }
 }
 
-TEST(GpuQuantizeFormats, HardwareE4M3ConversionEqualsEncodeOnEveryFiniteFloat) {
-  FLAMIA_REQUIRE_GPU();
+// Runs an exhaustive grid-stride comparison kernel on the counters {mismatches, first mismatching
+// case} and returns them.
+using SweepKernel = void (*)(unsigned long long*, unsigned long long*);
+std::vector<unsigned long long> run_sweep(SweepKernel kernel) {
   DeviceBuffer counters(2 * sizeof(unsigned long long));
   const std::vector<unsigned long long> init = {0, ~0ull};
   FLAMIA_CUDA_CHECK(
       cudaMemcpy(counters.get(), init.data(), counters.bytes(), cudaMemcpyHostToDevice));
   constexpr int kBlocks = 2048, kBlockThreads = 256;  // a grid-stride loop: any size works
   auto* c = counters.get<unsigned long long>();
-  compare_e4m3_conversion<<<kBlocks, kBlockThreads>>>(c, c + 1);
+  kernel<<<kBlocks, kBlockThreads>>>(c, c + 1);
   FLAMIA_CUDA_CHECK(cudaGetLastError());
-  const std::vector<unsigned long long> got = counters.download<unsigned long long>();
+  return counters.download<unsigned long long>();
+}
+
+TEST(GpuQuantizeFormats, HardwareE4M3ConversionEqualsEncodeOnEveryFiniteFloat) {
+  FLAMIA_REQUIRE_GPU();
+  const std::vector<unsigned long long> got = run_sweep(compare_e4m3_conversion);
   EXPECT_EQ(got[0], 0u) << "first mismatch at float bits 0x" << std::hex << got[1];
 }
 
@@ -270,15 +277,7 @@ __global__ void compare_e2m1_encoders(unsigned long long* mismatches, unsigned l
 
 TEST(GpuQuantizeFormats, FastE2M1EncodersEqualFormatsOnEveryBf16AndScale) {
   FLAMIA_REQUIRE_GPU();
-  DeviceBuffer counters(2 * sizeof(unsigned long long));
-  const std::vector<unsigned long long> init = {0, ~0ull};
-  FLAMIA_CUDA_CHECK(
-      cudaMemcpy(counters.get(), init.data(), counters.bytes(), cudaMemcpyHostToDevice));
-  constexpr int kBlocks = 2048, kBlockThreads = 256;  // a grid-stride loop: any size works
-  auto* c = counters.get<unsigned long long>();
-  compare_e2m1_encoders<<<kBlocks, kBlockThreads>>>(c, c + 1);
-  FLAMIA_CUDA_CHECK(cudaGetLastError());
-  const std::vector<unsigned long long> got = counters.download<unsigned long long>();
+  const std::vector<unsigned long long> got = run_sweep(compare_e2m1_encoders);
   EXPECT_EQ(got[0], 0u) << "first mismatch: case " << got[1] << " (scale code "
                         << got[1] / kBf16Patterns / kScaleExponents << ", exponent "
                         << int64_t(got[1] / kBf16Patterns % kScaleExponents) + ue8m0::kMinExponent

@@ -189,7 +189,7 @@ void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceQuantize
   p.lse = out.lse;
   p.tokens = pl.tokens;
   p.group = pl.group();
-  p.scale_log2 = float(m.options.attention.scale_for(pl.head_dim) * 1.4426950408889634);
+  p.scale_log2 = m.options.attention.scale_log2_for(pl.head_dim);
 
   sm90::ScheduleArgs sched;
   sched.cu_seqlens = in.cu_seqlens;
@@ -253,12 +253,8 @@ AttentionOutputs<float> forward_gpu_to_host(const AttentionBatch& batch,
   const cuda::DeviceBuffer o(size_t(pl.tokens) * pl.heads_q * dim * sizeof(uint16_t));
   const cuda::DeviceBuffer lse(size_t(pl.tokens) * pl.heads_q * sizeof(float));
 
-  DeviceAttentionInputs in;
-  in.layout = pl;
-  in.cu_seqlens = cu.get<int32_t>();
-  in.q = dense_view<const uint16_t>(q.get<uint16_t>(), pl.heads_q, dim);
-  in.k = dense_view<const uint16_t>(k.get<uint16_t>(), pl.heads_kv, dim);
-  in.v = dense_view<const uint16_t>(v.get<uint16_t>(), pl.heads_kv, dim);
+  const DeviceAttentionInputs in = dense_device_inputs(pl, cu.get<int32_t>(), q.get<uint16_t>(),
+                                                       k.get<uint16_t>(), v.get<uint16_t>());
   DeviceAttentionOutputs out;
   out.o = dense_view<uint16_t>(o.get<uint16_t>(), pl.heads_q, dim);
   out.lse = lse.get<float>();

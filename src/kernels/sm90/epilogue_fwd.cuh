@@ -9,8 +9,6 @@
 
 namespace flamia::sm90::fwd {
 
-constexpr float kLn2 = 0.6931471805599453f;
-
 struct EpilogueRows {
   int64_t token[kRows];  // packed-buffer token of each of the thread's rows
   bool valid[kRows];     // inside the document

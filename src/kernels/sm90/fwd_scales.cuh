@@ -21,8 +21,7 @@ static_assert(kKeysPerLane * int(kWarpThreads) == kBlockN, "one warp covers a ke
 // Folds below 2^-kFoldFloorLog2 are clamped there: P~ <= 2^8 * 2^-64 rounds to E4M3 zero either
 // way.
 constexpr int kFoldFloorLog2 = 64;
-constexpr uint8_t kUnitExponentCode = 127;            // 2^0: keys past the exponent array
-constexpr uint32_t kUe8m0MinValueBits = 0x00400000u;  // code 0 = 2^-127, a float subnormal
+constexpr uint8_t kUnitExponentCode = ue8m0::kBias;  // 2^0: keys past the exponent array
 
 // 16-byte aligned: each lane stores its keys with one vector store per array.
 struct alignas(16) KeyScales {
@@ -35,11 +34,6 @@ struct alignas(16) ValueScales {
   int prefix_max[kBlockN];  // max of e_v over keys 0..j: the masked tile's reference exponent
   int tile_max;
 };
-
-// 2^(code - 127) exactly, the subnormal code 0 included.
-__device__ __forceinline__ float ue8m0_to_float(uint32_t code) {
-  return __uint_as_float(code == 0 ? kUe8m0MinValueBits : code << kFloatMantissaBits);
-}
 
 // 2^e for -126 <= e <= 127 (callers clamp into that range).
 __device__ __forceinline__ float pow2_normal(int e) {
@@ -65,10 +59,10 @@ __device__ __forceinline__ LaneExponents load_lane_exponents(const uint8_t* row,
 
 __device__ __forceinline__ void stage_key_scales(KeyScales& dst, const LaneExponents& e, int lane) {
   float4 v;
-  v.x = ue8m0_to_float(e.code[0]);
-  v.y = ue8m0_to_float(e.code[1]);
-  v.z = ue8m0_to_float(e.code[2]);
-  v.w = ue8m0_to_float(e.code[3]);
+  v.x = ue8m0::decode(uint8_t(e.code[0]));
+  v.y = ue8m0::decode(uint8_t(e.code[1]));
+  v.z = ue8m0::decode(uint8_t(e.code[2]));
+  v.w = ue8m0::decode(uint8_t(e.code[3]));
   static_assert(kKeysPerLane == 4, "one float4 per lane");
   *reinterpret_cast<float4*>(&dst.scale[kKeysPerLane * lane]) = v;
 }

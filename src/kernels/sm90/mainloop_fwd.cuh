@@ -130,9 +130,9 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       out_rows.valid[r] = m0 + row[r] < length;
       float e = 1.0f;
       if constexpr (kKeyScales)
-        e = ue8m0_to_float(token < p.tokens_padded
-                               ? __ldg(p.q_exponents + item.head * p.tokens_padded + token)
-                               : kUnitExponentCode);
+        e = ue8m0::decode(token < p.tokens_padded
+                              ? __ldg(p.q_exponents + item.head * p.tokens_padded + token)
+                              : kUnitExponentCode);
       row_factor[r] = p.scale_log2 * e;
     }
     RowState st;

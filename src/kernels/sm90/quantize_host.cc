@@ -156,13 +156,9 @@ QuantizedAttention quantize_gpu_to_host(const AttentionInputs& host,
   const cuda::DeviceBuffer g =
       backward ? upload_dense(host.dout, pl.tokens, pl.heads_q, dim) : cuda::DeviceBuffer();
 
-  DeviceAttentionInputs in;
-  in.layout = pl;
-  in.cu_seqlens = cu.get<int32_t>();
-  in.q = dense_view<const uint16_t>(q.get<uint16_t>(), pl.heads_q, dim);
-  in.k = dense_view<const uint16_t>(k.get<uint16_t>(), pl.heads_kv, dim);
-  in.v = dense_view<const uint16_t>(v.get<uint16_t>(), pl.heads_kv, dim);
-  in.dout = dense_view<const uint16_t>(g.get<uint16_t>(), pl.heads_q, dim);
+  const DeviceAttentionInputs in =
+      dense_device_inputs(pl, cu.get<int32_t>(), q.get<uint16_t>(), k.get<uint16_t>(),
+                          v.get<uint16_t>(), g.get<uint16_t>());
 
   const cuda::QuantizeOutputs out(pl, options, backward);
   cudaStream_t stream = nullptr;

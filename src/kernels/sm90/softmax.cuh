@@ -42,10 +42,8 @@ __device__ __forceinline__ float exp2_approx(float x) {
 // 2^e for integer e <= 0, exactly, subnormals included, 0 below 2^-149 (the emulator's
 // scale_by_pow2 of 1).
 __device__ __forceinline__ float pow2_nonpositive(int e) {
-  constexpr int kMinNormal = -126, kMinSubnormal = -149;
-  if (e >= kMinNormal) return pow2_normal(e);
-  if (e >= kMinSubnormal) return __uint_as_float(1u << (e - kMinSubnormal));
-  return 0.0f;
+  constexpr int kMinSubnormal = -149;
+  return e >= kMinSubnormal ? exp2i(e) : 0.0f;
 }
 
 __device__ __forceinline__ int acc_row_half(int i) {
