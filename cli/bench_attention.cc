@@ -249,6 +249,20 @@ class Runner {
     progress(r.w.name + ": " + impl + " " + stage + " " + fmt(t.median_ms, 3) + " ms");
   }
 
+  // A peer that ran: its forward, backward and training-call stages, and its outcome.
+  void add_peer(WorkloadResult& r, PeerOutcome out, const std::string& layout,
+                const bench::Timing& fwd, const bench::Timing& bwd, const bench::Timing& call,
+                double fwd_flops, double bwd_flops) {
+    add(r, out.impl, "forward", layout, fwd, fwd_flops);
+    add(r, out.impl, "backward", layout, bwd, bwd_flops);
+    add(r, out.impl, "training call", layout, call, fwd_flops + bwd_flops);
+    out.ok = true;
+    out.fwd_ms = fwd.median_ms;
+    out.bwd_ms = bwd.median_ms;
+    out.call_ms = call.median_ms;
+    r.peers.push_back(out);
+  }
+
   // Progress on stderr, so a slow or stuck stage shows where it is.
   static void progress(const std::string& line) { std::cerr << "[bench] " << line << std::endl; }
 
@@ -314,14 +328,7 @@ class Runner {
       peer->forward(bufs(set), ws);
       peer->backward(bufs(set), ws);
     });
-    add(r, out.impl, "forward", layout, fwd, ff);
-    add(r, out.impl, "backward", layout, bwd, bf);
-    add(r, out.impl, "training call", layout, call, ff + bf);
-    out.ok = true;
-    out.fwd_ms = fwd.median_ms;
-    out.bwd_ms = bwd.median_ms;
-    out.call_ms = call.median_ms;
-    r.peers.push_back(out);
+    add_peer(r, out, layout, fwd, bwd, call, ff, bf);
   }
 
   void run_fp8(WorkloadResult& r, const bench::SdpaProblem& p, Buffers& b, uint64_t seed) {
@@ -402,15 +409,8 @@ class Runner {
           },
           kInputSets, graphs);
       add(r, out.impl, fresh ? "amax + cast Q K V" : "cast Q K V", lay, prep_fwd, 0);
-      add(r, out.impl, "forward", lay, fwd, ff);
       add(r, out.impl, fresh ? "amax + cast dO" : "cast dO", lay, prep_bwd, 0);
-      add(r, out.impl, "backward", lay, bwd, bf);
-      add(r, out.impl, "training call", lay, call, ff + bf);
-      out.ok = true;
-      out.fwd_ms = fwd.median_ms;
-      out.bwd_ms = bwd.median_ms;
-      out.call_ms = call.median_ms;
-      r.peers.push_back(out);
+      add_peer(r, out, lay, fwd, bwd, call, ff, bf);
     }
   }
 
