@@ -1,10 +1,12 @@
-// The GPU attention forward (sm_90a, DESIGN §2, §4, §6): microscaled FP8 flash attention over
-// packed documents, computing exactly the CPU emulator's algorithm (flamia/emulator.h) with the
-// kernel's tile sizes (kGpuForwardTiles) and the hardware exp2.
+// The GPU attention forward and backward (sm_90a, DESIGN §2, §4, §6): microscaled FP8 flash
+// attention over packed documents, computing exactly the CPU emulator's algorithm
+// (flamia/emulator.h) with the kernels' tile sizes (kGpuForwardTiles, kGpuBackwardTiles) and the
+// hardware exp2.
 //
-// Two entry points: one takes the quantizer's device outputs (quantize_gpu with transposed codes),
-// the other BF16 inputs and quantizes inside the call. Both only enqueue work on the stream; the
-// work list is built on the GPU by every call, so nothing synchronises with the host.
+// Each pass has two entry points: one takes the quantizer's device outputs (quantize_gpu with
+// transposed codes), the other BF16 inputs and quantizes inside the call — together the training
+// call: forward(BF16 Q, K, V) then backward(BF16 dO). All only enqueue work on the stream; nothing
+// synchronises with the host.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,12 +25,17 @@ namespace flamia {
 // The forward kernel's query and key tiles; the emulator reproduces the kernel's numerics when run
 // with these (EmulatorConfig::forward).
 constexpr TileShape kGpuForwardTiles{128, 128};
+// The backward's: 64 query rows per step, 128 keys per work item (EmulatorConfig::backward).
+constexpr TileShape kGpuBackwardTiles{64, 128};
 
 struct GpuAttentionOptions {
   Recipe recipe = Recipe::kMxfp8;            // kMxfp8 or kMxfp8Qk16
   ScalePolicy policy = ScalePolicy::kToken;  // any but kVGroup16 (per-channel V cannot be folded)
-  bool hadamard = false;                     // rotate Q, K before quantizing (mxfp8 only)
+  bool hadamard = false;                     // rotate Q, K before quantizing (mxfp8, forward only)
   AttentionConfig attention;
+  // Backward: add dQ partials in key-block order instead of unordered atomics, so dQ is bitwise
+  // reproducible run to run (and a prefix's dQ bitwise independent of its suffix); slower.
+  bool deterministic = false;
 };
 
 // Throws Error when the GPU kernels do not implement the combination (recipe, policy, head dim).
@@ -37,6 +44,11 @@ void check_gpu_support(const PackedLayout& layout, const GpuAttentionOptions& op
 struct DeviceAttentionOutputs {
   TokenTensor<uint16_t> o;  // [T][Hq][D] BF16 bits; only rows inside documents are written
   float* lse = nullptr;     // [Hq][T] natural log; only tokens inside documents are written
+};
+
+struct DeviceAttentionGradients {
+  TokenTensor<uint16_t> dq;      // [T][Hq][D] BF16 bits; every row inside a document is written
+  TokenTensor<uint16_t> dk, dv;  // [T][Hkv][D]; GQA: summed over the group's query heads
 };
 
 // Reusable state of forward calls on one layout: the work list, its counter and (for the BF16
@@ -60,12 +72,25 @@ class GpuAttention {
   void forward(const DeviceAttentionInputs& in, const DeviceAttentionOutputs& out,
                cudaStream_t stream);
 
-  // The owned quantizer's outputs of the last BF16 forward.
+  // Backward from quantized operands (Q, K, V and dO, all with codes_t) and the forward's O (BF16)
+  // and LSE. `in` as for forward. Throws Error (before enqueuing) on null or misaligned pointers,
+  // on Hadamard rotation (not built for the backward) and on a layout other than the
+  // constructor's. The first call allocates the workspaces (an FP32 dQ accumulator [T][Hq][D]).
+  void backward(const DeviceAttentionInputs& in, const DeviceQuantizedAttention& quant,
+                TokenTensor<const uint16_t> o, const float* lse,
+                const DeviceAttentionGradients& grads, cudaStream_t stream);
+
+  // The training call's backward, after the BF16 forward on this object: quantizes in.dout into
+  // the owned buffers and reuses the forward's Q, K, V codes.
+  void backward(const DeviceAttentionInputs& in, TokenTensor<const uint16_t> o, const float* lse,
+                const DeviceAttentionGradients& grads, cudaStream_t stream);
+
+  // The owned quantizer's outputs of the last BF16 forward (and backward: dO).
   const DeviceQuantizedAttention& quantized() const;
   // Synchronises and returns the non-finite report of the last BF16 forward.
   NonFiniteReport quantizer_status() const;
 
-  int work_items() const;  // (document, head, query tile) items per call
+  int work_items() const;  // forward (document, head, query tile) items per call
   int ctas() const;        // persistent CTAs launched
 
  private:
@@ -78,5 +103,11 @@ class GpuAttention {
 // (naming tensor and position), like emulate(). Synchronises.
 AttentionOutputs<float> forward_gpu_to_host(const AttentionBatch& batch,
                                             const GpuAttentionOptions& options);
+
+// For tests and tools: uploads `batch` (dout required), runs the training call (BF16 forward, then
+// backward) on the current device and returns O, LSE, dQ, dK and dV in the emulator's layout
+// (BF16 values as floats). Throws Error on non-finite inputs, like emulate(). Synchronises.
+AttentionOutputs<float> training_gpu_to_host(const AttentionBatch& batch,
+                                             const GpuAttentionOptions& options);
 
 }  // namespace flamia

@@ -124,30 +124,33 @@ void check_wgmma(uint32_t seed) {
 }
 
 // Register-A form: each thread packs its A fragment bytes from global memory through
-// a_frag_row / a_frag_k, so a wrong fragment mapping shows as a wrong product.
+// a_frag_row / a_frag_k, so a wrong fragment mapping shows as a wrong product. B is K-major with
+// K = kRowBytes (128B swizzle) or K = 64 bytes (64B swizzle, the backward's query-tile operands).
+template <int N, uint32_t KBytes>
 __global__ void __launch_bounds__(sm90::kWarpgroupThreads)
     wgmma_rs_kernel(const uint8_t* a, const uint8_t* b, float* d) {
-  constexpr int N = 128;
-  __shared__ alignas(wg::kSw128AtomBytes) uint8_t sb[N * kRowBytes];
-  for (uint32_t i = threadIdx.x; i < N * kRowBytes; i += blockDim.x)
-    sb[wg::sw128_offset(i / kRowBytes, i % kRowBytes)] = b[i];
+  static_assert(KBytes == wg::kSw128RowBytes || KBytes == wg::kSw64RowBytes, "swizzle span");
+  constexpr bool kSw64 = KBytes == wg::kSw64RowBytes;
+  __shared__ alignas(wg::kSw128AtomBytes) uint8_t sb[N * KBytes];
+  for (uint32_t i = threadIdx.x; i < N * KBytes; i += blockDim.x)
+    sb[kSw64 ? wg::sw64_offset(i / KBytes, i % KBytes) : wg::sw128_offset(i / KBytes, i % KBytes)] =
+        b[i];
   sm90::fence_async_shared();
   __syncthreads();
   const int t = threadIdx.x;
   float acc[wg::acc_regs(N)];
   for (float& x : acc) x = NAN;
-  const uint64_t desc_b = wg::make_desc_sw128(sb);
+  const uint64_t desc_b = kSw64 ? wg::make_desc_sw64(sb) : wg::make_desc_sw128(sb);
   wg::fence_operands(acc);
 #pragma unroll
-  for (int ks = 0; ks < kKSteps; ++ks) {
+  for (int ks = 0; ks < int(KBytes / wg::kKBytes); ++ks) {
     uint32_t frag[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       frag[j] = 0;
       for (int byte = 0; byte < 4; ++byte)
         frag[j] |=
-            uint32_t(
-                a[wg::a_frag_row(t, j) * kRowBytes + ks * wg::kKE4m3 + wg::a_frag_k(t, j, byte)])
+            uint32_t(a[wg::a_frag_row(t, j) * KBytes + ks * wg::kKE4m3 + wg::a_frag_k(t, j, byte)])
             << (8 * byte);
     }
     wg::fence();
@@ -160,19 +163,44 @@ __global__ void __launch_bounds__(sm90::kWarpgroupThreads)
   for (int i = 0; i < wg::acc_regs(N); ++i) d[wg::acc_row(t, i) * N + wg::acc_col(t, i)] = acc[i];
 }
 
-TEST(GpuWgmma, E4m3RegisterAN128MatchesCpu) {
-  FLAMIA_REQUIRE_GPU();
-  constexpr int N = 128;
-  std::mt19937 rng(31);
+// Like random_operand, for E4M3 rows of `k` bytes.
+std::vector<uint8_t> random_e4m3_rows(int rows, int k, std::vector<float>& values,
+                                      std::mt19937& rng) {
+  std::uniform_int_distribution<int> dist(-kMagnitude, kMagnitude);
+  std::vector<uint8_t> bytes(size_t(rows) * k);
+  values.resize(bytes.size());
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    values[i] = float(dist(rng));
+    bytes[i] = e4m3::encode(values[i]);
+  }
+  return bytes;
+}
+
+template <int N, uint32_t KBytes>
+void check_wgmma_rs(uint32_t seed) {
+  std::mt19937 rng(seed);
   std::vector<float> av, bv;
-  const std::vector<uint8_t> a = random_operand(Type::kE4m3, wg::kM, av, rng);
-  const std::vector<uint8_t> b = random_operand(Type::kE4m3, N, bv, rng);
+  const std::vector<uint8_t> a = random_e4m3_rows(wg::kM, int(KBytes), av, rng);
+  const std::vector<uint8_t> b = random_e4m3_rows(N, int(KBytes), bv, rng);
   DeviceBuffer<uint8_t> d_a(a), d_b(b);
   DeviceBuffer<float> d_d(size_t(wg::kM) * N);
   d_d.poison();
-  wgmma_rs_kernel<<<1, sm90::kWarpgroupThreads>>>(d_a.get(), d_b.get(), d_d.get());
+  wgmma_rs_kernel<N, KBytes><<<1, sm90::kWarpgroupThreads>>>(d_a.get(), d_b.get(), d_d.get());
   test::sync_checked();
   expect_exact_product(av, bv, d_d.download(), N);
+}
+
+TEST(GpuWgmma, E4m3RegisterAN128MatchesCpu) {
+  FLAMIA_REQUIRE_GPU();
+  check_wgmma_rs<128, wg::kSw128RowBytes>(31);
+}
+TEST(GpuWgmma, E4m3RegisterAN64MatchesCpu) {
+  FLAMIA_REQUIRE_GPU();
+  check_wgmma_rs<64, wg::kSw128RowBytes>(32);
+}
+TEST(GpuWgmma, E4m3RegisterAN64Swizzle64MatchesCpu) {
+  FLAMIA_REQUIRE_GPU();
+  check_wgmma_rs<64, wg::kSw64RowBytes>(33);
 }
 
 TEST(GpuWgmma, E4m3N64MatchesCpu) {

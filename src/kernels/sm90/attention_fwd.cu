@@ -4,59 +4,18 @@
 #include <string>
 #include <vector>
 
-#include "check.h"
-#include "device_buffer.h"
-#include "flamia/attention_gpu.h"
-#include "fwd_params.h"
-#include "quantize_outputs.h"
-#include "scheduler.h"
-#include "tma.cuh"
+#include "attention_internal.h"
 
 namespace flamia {
 namespace {
 
+using namespace gpu_attention;
 using sm90::fwd::kBlockM;
 using sm90::fwd::kBlockN;
-using sm90::fwd::kHeadDim;
 using sm90::fwd::ScoreOperand;
 
 static_assert(kGpuForwardTiles.block_m == kBlockM && kGpuForwardTiles.block_n == kBlockN,
               "the emulator's tiles must be the kernel's");
-
-[[noreturn]] void reject(const std::string& what) {
-  throw Error("GPU attention: " + what);
-}
-
-void require_device_pointer(const void* p, size_t alignment, const std::string& name) {
-  if (p == nullptr) reject(name + " is null");
-  if (reinterpret_cast<uintptr_t>(p) % alignment != 0)
-    reject(name + " is not " + std::to_string(alignment) + "-byte aligned");
-}
-
-bool same_layout(const PackedLayout& a, const PackedLayout& b) {
-  if (a.num_docs != b.num_docs || a.tokens != b.tokens || a.heads_q != b.heads_q ||
-      a.heads_kv != b.heads_kv || a.head_dim != b.head_dim)
-    return false;
-  return std::equal(a.cu_seqlens, a.cu_seqlens + a.num_docs + 1, b.cu_seqlens);
-}
-
-// E4M3 codes [T][H][D]: one 128-byte row per token and head, boxes of kBlockM tokens.
-CUtensorMap codes_map(const uint8_t* codes, int64_t tokens, int heads) {
-  return sm90::make_tensor_map_3d(
-      codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},
-      {uint64_t(kHeadDim), uint64_t(heads) * kHeadDim}, {uint32_t(kHeadDim), 1, uint32_t(kBlockM)},
-      CU_TENSOR_MAP_SWIZZLE_128B);
-}
-
-// BF16 inputs (strided view): boxes of 64 elements (one 128-byte swizzle span) by kBlockM tokens.
-CUtensorMap bf16_map(const TokenTensor<const uint16_t>& v, int64_t tokens, int heads) {
-  constexpr uint32_t kSpanElems = 64;
-  return sm90::make_tensor_map_3d(
-      v.data, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-      {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},
-      {uint64_t(v.stride_head) * sizeof(uint16_t), uint64_t(v.stride_token) * sizeof(uint16_t)},
-      {kSpanElems, 1, uint32_t(kBlockM)}, CU_TENSOR_MAP_SWIZZLE_128B);
-}
 
 }  // namespace
 
@@ -73,26 +32,6 @@ void check_gpu_support(const PackedLayout& layout, const GpuAttentionOptions& op
     reject("head dim " + std::to_string(layout.head_dim) + " is not built; the kernels use " +
            std::to_string(kHeadDim));
 }
-
-struct GpuAttention::Impl {
-  PackedLayout layout;
-  std::vector<int32_t> cu_seqlens;  // host copy; layout.cu_seqlens points here
-  GpuAttentionOptions options;
-  sm90::ScheduleGeometry geometry;
-  int64_t items = 0;
-  int max_key_blocks = 0;
-  int ctas = 0;
-  cuda::DeviceBuffer item_buffer, counter, workspace;
-  std::unique_ptr<cuda::QuantizeOutputs> quant;  // the BF16 entry's quantizer outputs
-
-  QuantizeOptions quantize_options() const {
-    QuantizeOptions q;
-    q.policy = options.policy;
-    q.hadamard = options.hadamard;
-    q.transposed = true;
-    return q;
-  }
-};
 
 GpuAttention::GpuAttention(const PackedLayout& layout, const GpuAttentionOptions& options)
     : impl_(std::make_unique<Impl>()) {
@@ -113,10 +52,7 @@ GpuAttention::GpuAttention(const PackedLayout& layout, const GpuAttentionOptions
   m.counter = cuda::DeviceBuffer(sizeof(int));
   m.workspace =
       cuda::DeviceBuffer(std::max<size_t>(sm90::schedule_workspace_bytes(m.layout, m.geometry), 1));
-  int device = 0, sms = 0;
-  FLAMIA_CUDA_CHECK(cudaGetDevice(&device));
-  FLAMIA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  m.ctas = int(std::min<int64_t>(m.items, sms));
+  m.ctas = int(std::min<int64_t>(m.items, multiprocessors()));
 }
 
 GpuAttention::~GpuAttention() = default;
@@ -154,10 +90,7 @@ void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceQuantize
   }
   require_device_pointer(quant.v.codes_t, kAlign, "V codes_t");
   require_device_pointer(quant.v.exponents, 1, "V exponents");
-  require_device_pointer(out.o.data, sizeof(uint32_t), "O");
-  validate_view("O", out.o, pl.tokens, pl.heads_q, pl.head_dim);
-  if (out.o.stride_token % 2 != 0 || out.o.stride_head % 2 != 0)
-    reject("O's token and head strides must be even (pairs of BF16 go out as one store)");
+  require_bf16_output(out.o, pl, pl.heads_q, "O");
   require_device_pointer(out.lse, sizeof(float), "LSE");
   if (m.items == 0) return;
 
@@ -165,18 +98,15 @@ void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceQuantize
   const QuantLayout lkv = QuantLayout::make(pl.tokens, pl.heads_kv, pl.head_dim, pl.num_docs);
   sm90::fwd::Params p;
   if (qk16) {
-    p.map_q = bf16_map(in.q, pl.tokens, pl.heads_q);
-    p.map_k = bf16_map(in.k, pl.tokens, pl.heads_kv);
+    p.map_q = bf16_map(in.q, pl.tokens, pl.heads_q, kBlockM);
+    p.map_k = bf16_map(in.k, pl.tokens, pl.heads_kv, kBlockN);
   } else {
-    p.map_q = codes_map(quant.q.codes, pl.tokens, pl.heads_q);
-    p.map_k = codes_map(quant.k.codes, pl.tokens, pl.heads_kv);
+    p.map_q = codes_map(quant.q.codes, pl.tokens, pl.heads_q, kBlockM);
+    p.map_k = codes_map(quant.k.codes, pl.tokens, pl.heads_kv, kBlockN);
     p.q_exponents = quant.q.exponents;
     p.k_exponents = quant.k.exponents;
   }
-  p.map_vt = sm90::make_tensor_map_2d(quant.v.codes_t, CU_TENSOR_MAP_DATA_TYPE_UINT8,
-                                      uint64_t(lkv.tokens_t), uint64_t(pl.heads_kv) * kHeadDim,
-                                      uint64_t(lkv.tokens_t), uint32_t(kBlockN), uint32_t(kHeadDim),
-                                      CU_TENSOR_MAP_SWIZZLE_128B);
+  p.map_vt = codes_t_map(quant.v.codes_t, lkv, kBlockN);
   p.v_exponents = quant.v.exponents;
   p.tokens_padded = lq.tokens_padded;
   p.items = m.item_buffer.get<sm90::WorkItem>();
@@ -223,7 +153,7 @@ void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceAttentio
   if (in.layout.cu_seqlens == nullptr || !same_layout(in.layout, m.layout))
     reject("the inputs' layout differs from the one this GpuAttention was built for");
   const QuantizeOptions qo = m.quantize_options();
-  if (!m.quant) m.quant = std::make_unique<cuda::QuantizeOutputs>(m.layout, qo, false);
+  if (!m.quant) m.quant = std::make_unique<cuda::QuantizeOutputs>(m.layout, qo, true);
   DeviceAttentionInputs forward_inputs = in;
   forward_inputs.dout = {};  // the forward quantizes Q, K, V only
   quantize_gpu(forward_inputs, qo, m.quant->view(), stream);

@@ -20,4 +20,23 @@ __device__ __forceinline__ uint32_t e4m3x4_rn_satfinite(float x0, float x1, floa
   return e4m3x2_rn_satfinite(x0, x1) | (e4m3x2_rn_satfinite(x2, x3) << 16);
 }
 
+// E4M3 register A fragments (wgmma m64k32, four b32 per slice) from an f32 accumulator fragment
+// whose columns are the next product's K index; slice k holds columns 32k..32k+31. No shuffle: a
+// thread's accumulator columns {2t, 2t+1, 2t+8, 2t+9} of each 16 become its fragment bytes
+// k = 4t..4t+3, so the B operand must store every 16 positions of K in that order (the quantizer's
+// transposed_slot, flamia/quantize.h).
+template <int kSlices>
+__device__ __forceinline__ void pack_a_fragments(const float (&acc)[16 * kSlices],
+                                                 uint32_t (&a)[kSlices][4]) {
+#pragma unroll
+  for (int k = 0; k < kSlices; ++k)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int lo = 4 * (4 * k + 2 * h) + 2 * r, hi = lo + 4;
+        a[k][2 * h + r] = e4m3x4_rn_satfinite(acc[lo], acc[lo + 1], acc[hi], acc[hi + 1]);
+      }
+}
+
 }  // namespace flamia::sm90

@@ -4,9 +4,8 @@
 // QGMMA against V^T), and the two-level accumulation O = O * rescale + O_tile: each tile's product
 // lands in fresh registers because the FP8 MMA keeps only about 14 significant bits when it chains.
 //
-// P~ needs no register shuffle: the accumulator gives a thread columns {2t, 2t+1, 2t+8, 2t+9} of
-// each 16, packed in that order as k = 4t..4t+3 of the A fragment, and the quantizer stores every
-// 16 keys of V^T in exactly that order (transposed_slot in flamia/quantize.h).
+// P~ needs no register shuffle (pack_a_fragments, fp8_convert.cuh): the quantizer stores every 16
+// keys of V^T in the order the accumulator fragment hands them out.
 #pragma once
 
 #include "epilogue_fwd.cuh"
@@ -19,20 +18,6 @@ namespace flamia::sm90::fwd {
 
 constexpr int kKSlices = kBlockN / wgmma::kKE4m3;  // k32 slices of the PV product
 constexpr int kFragRegs = 4;                       // b32 registers of one A fragment
-
-// P~ (kAccRegs floats) -> E4M3 A fragments of the kKSlices k32 slices.
-__device__ __forceinline__ void pack_p(const float (&s)[kAccRegs],
-                                       uint32_t (&a)[kKSlices][kFragRegs]) {
-#pragma unroll
-  for (int k = 0; k < kKSlices; ++k)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int lo = 4 * (4 * k + 2 * h) + 2 * r, hi = lo + 4;
-        a[k][2 * h + r] = e4m3x4_rn_satfinite(s[lo], s[lo + 1], s[hi], s[hi + 1]);
-      }
-}
 
 // The two consumer warpgroups take turns on the tensor cores (ping-pong): each turn is one
 // warpgroup's MMAs between two softmaxes — the PV product of its last tile and the score product
@@ -161,7 +146,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       } else {
         softmax_visible_tile(s, st, vs, quad, o_rescale);
       }
-      pack_p(s, a);
+      pack_a_fragments<kKSlices>(s, a);
     };
     // PV of the tile whose P~ is in `a`, then O = O * rescale + O_tile.
     auto value_turn = [&]() {

@@ -26,20 +26,26 @@ constexpr uint32_t entry_register_cap(uint32_t threads) {
   return kRegistersPerSm / threads / kMaxnregGranule * kMaxnregGranule;
 }
 
-// True when the warpgroups' budgets after setmaxnreg fit the SM's register file.
+// The CTA's registers are those allocated at launch, entry_register_cap per thread, not the whole
+// register file: setmaxnreg.inc waits until decs return enough, so budgets above this pool never
+// run (the warps hang in the inc). Per thread of one warpgroup, summed over the warpgroups:
+constexpr uint32_t launch_register_pool(uint32_t warpgroups) {
+  return warpgroups * entry_register_cap(warpgroups * kWarpgroupThreads);
+}
+
+// True when the warpgroups' budgets after setmaxnreg fit the registers allocated at launch.
 constexpr bool register_split_fits(uint32_t producer_warpgroups, uint32_t producer_regs,
                                    uint32_t consumer_warpgroups, uint32_t consumer_regs) {
   return maxnreg_valid(producer_regs) && maxnreg_valid(consumer_regs) &&
-         kWarpgroupThreads *
-                 (producer_warpgroups * producer_regs + consumer_warpgroups * consumer_regs) <=
-             kRegistersPerSm;
+         producer_warpgroups * producer_regs + consumer_warpgroups * consumer_regs <=
+             launch_register_pool(producer_warpgroups + consumer_warpgroups);
 }
 
 // The largest per-thread budget the consumer warpgroups can take once the producers run on
-// `producer_regs`: the register file split evenly, rounded down to the setmaxnreg granule.
+// `producer_regs`: the launch pool split evenly, rounded down to the setmaxnreg granule.
 constexpr uint32_t consumer_register_budget(uint32_t producer_warpgroups, uint32_t producer_regs,
                                             uint32_t consumer_warpgroups) {
-  const uint32_t per_thread_pool = kRegistersPerSm / kWarpgroupThreads;  // summed over warpgroups
+  const uint32_t per_thread_pool = launch_register_pool(producer_warpgroups + consumer_warpgroups);
   const uint32_t left = per_thread_pool - producer_warpgroups * producer_regs;
   const uint32_t even = left / consumer_warpgroups / kMaxnregGranule * kMaxnregGranule;
   return even < kMaxnregMax ? even : kMaxnregMax;
@@ -56,5 +62,11 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   static_assert(maxnreg_valid(Regs), "setmaxnreg: count in [24, 256], multiple of 8");
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" : : "n"(Regs));
 }
+
+// 3 warpgroups: 168 per thread at launch, so 40 + 2 x 232 uses the pool exactly and 32 + 2 x 240
+// would not fit (it hangs).
+static_assert(consumer_register_budget(1, 40, 2) == 232 &&
+                  consumer_register_budget(1, 32, 2) == 232,
+              "launch pool of three warpgroups");
 
 }  // namespace flamia::sm90

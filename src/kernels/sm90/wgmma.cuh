@@ -56,12 +56,33 @@ __host__ __device__ constexpr uint64_t desc_encode(uint32_t x) {
   return (x & kDescAddrMask) >> kDescEncodeShift;
 }
 
+// 64-byte swizzle (K-major): rows of 64 B; in each 512 B-aligned group of 8 rows, the 16 B chunk c
+// of row r is stored at chunk c ^ ((r / 2) % 4) (TMA's SWIZZLE_64B: address bits 4-5 XOR bits 7-8).
+// Tiles whose K extent is 64 bytes (the backward's 64-query E4M3 operands) use it.
+constexpr uint32_t kSw64RowBytes = 64;
+constexpr uint32_t kSw64AtomBytes = kSw64RowBytes * kSw128AtomRows;
+constexpr uint64_t kDescLayoutSw64 = 2;
+
+__host__ __device__ constexpr uint32_t sw64_offset(uint32_t row, uint32_t byte_in_row) {
+  return row * kSw64RowBytes +
+         ((byte_in_row / kSw128ChunkBytes) ^ ((row / 2) % 4)) * kSw128ChunkBytes +
+         byte_in_row % kSw128ChunkBytes;
+}
+
 // Descriptor of a K-major 128B-swizzled tile whose base is kSw128AtomBytes-aligned (so the base
 // offset field is 0): 8-row groups sit kSw128AtomBytes apart.
 __device__ __forceinline__ uint64_t make_desc_sw128(const void* smem_tile) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_tile));
   return desc_encode(addr) | (kDescLboUnused << kDescLboShift) |
          (desc_encode(kSw128AtomBytes) << kDescSboShift) | (kDescLayoutSw128 << kDescLayoutShift);
+}
+
+// The same for a 64B-swizzled tile (base kSw64AtomBytes-aligned): 8-row groups sit kSw64AtomBytes
+// apart.
+__device__ __forceinline__ uint64_t make_desc_sw64(const void* smem_tile) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_tile));
+  return desc_encode(addr) | (kDescLboUnused << kDescLboShift) |
+         (desc_encode(kSw64AtomBytes) << kDescSboShift) | (kDescLayoutSw64 << kDescLayoutShift);
 }
 
 // The descriptor of the same tile `bytes` further along K (a multiple of 16 inside the 128 B row):
@@ -237,6 +258,16 @@ __device__ __forceinline__ void mma_e4m3_rs_n128(float (&d)[64], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 
+__device__ __forceinline__ void mma_e4m3_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+                                                uint32_t scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " FLAMIA_WGMMA_REGS32
+      ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : FLAMIA_WGMMA_ACC32(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+
 #undef FLAMIA_WGMMA_ACC8
 #undef FLAMIA_WGMMA_ACC32
 #undef FLAMIA_WGMMA_ACC64
@@ -263,8 +294,10 @@ __device__ __forceinline__ void mma_e4m3(float (&d)[acc_regs(N)], uint64_t desc_
 template <int N>
 __device__ __forceinline__ void mma_e4m3_rs(float (&d)[acc_regs(N)], const uint32_t (&a)[4],
                                             uint64_t desc_b, bool accumulate) {
-  static_assert(N == 128, "wgmma e4m3 register-A: N = 128 (add shapes as kernels need them)");
-  detail::mma_e4m3_rs_n128(d, a, desc_b, accumulate);
+  static_assert(N == 64 || N == 128,
+                "wgmma e4m3 register-A: N in {64, 128} (add shapes as kernels need them)");
+  if constexpr (N == 64) detail::mma_e4m3_rs_n64(d, a, desc_b, accumulate);
+  if constexpr (N == 128) detail::mma_e4m3_rs_n128(d, a, desc_b, accumulate);
 }
 
 // The e4m3 register A fragment of m64k32: byte b of register j of warpgroup thread t.

@@ -1,0 +1,248 @@
+// Host side of the GPU backward: the work list, argument checks, tensor maps, workspaces and the
+// three launches (preprocess, main kernel, postprocess); and the training call's host helper.
+#include <algorithm>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "attention_internal.h"
+
+namespace flamia {
+namespace sm90::bwd {
+
+std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal) {
+  std::vector<WorkItem> items;
+  for (int doc = 0; doc < layout.num_docs; ++doc) {
+    const int length = int(layout.doc_length(doc));
+    const int tiles = (length + kBlockM - 1) / kBlockM;
+    const int blocks = (length + kBlockN - 1) / kBlockN;
+    for (int head = 0; head < layout.heads_kv; ++head)
+      for (int block = 0; block < blocks; ++block)
+        items.push_back({doc, block, head, tiles - first_query_tile(block, causal)});
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+    return a.query_tiles > b.query_tiles;
+  });
+  return items;
+}
+
+}  // namespace sm90::bwd
+
+namespace {
+
+using namespace gpu_attention;
+using sm90::bwd::kBlockM;
+using sm90::bwd::kBlockN;
+using sm90::fwd::ScoreOperand;
+
+static_assert(kGpuBackwardTiles.block_m == kBlockM && kGpuBackwardTiles.block_n == kBlockN,
+              "the emulator's tiles must be the kernel's");
+
+void require_codes(const DeviceE4M3Operand& op, const std::string& name) {
+  require_device_pointer(op.codes, kDeviceAlignment, name + " codes");
+  require_device_pointer(op.codes_t, kDeviceAlignment, name + " codes_t");
+  require_device_pointer(op.exponents, 1, name + " exponents");
+}
+
+}  // namespace
+
+void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantizedAttention& quant,
+                            TokenTensor<const uint16_t> o, const float* lse,
+                            const DeviceAttentionGradients& grads, cudaStream_t stream) {
+  Impl& m = *impl_;
+  const PackedLayout& pl = m.layout;
+  if (in.layout.cu_seqlens == nullptr || !same_layout(in.layout, pl))
+    reject("the inputs' layout differs from the one this GpuAttention was built for");
+  if (in.cu_seqlens == nullptr) reject("device cu_seqlens is null");
+  if (m.options.hadamard)
+    reject("the backward with Hadamard rotation is not built (dQ and dK would need rotating back)");
+  const bool qk16 = m.options.recipe == Recipe::kMxfp8Qk16;
+  if (qk16) {
+    require_device_pointer(in.q.data, kDeviceAlignment, "Q (BF16)");
+    require_device_pointer(in.k.data, kDeviceAlignment, "K (BF16)");
+    validate_view("Q", in.q, pl.tokens, pl.heads_q, pl.head_dim);
+    validate_view("K", in.k, pl.tokens, pl.heads_kv, pl.head_dim);
+    for (const auto* v : {&in.q, &in.k})
+      if ((v->stride_token * sizeof(uint16_t)) % kDeviceAlignment != 0 ||
+          (v->stride_head * sizeof(uint16_t)) % kDeviceAlignment != 0)
+        reject("BF16 Q/K token and head strides must be multiples of 16 bytes");
+  }
+  require_codes(quant.q, "Q");
+  require_codes(quant.k, "K");
+  require_codes(quant.dout, "dO");
+  require_device_pointer(quant.v.codes, kDeviceAlignment, "V codes");
+  require_device_pointer(quant.v.exponents, 1, "V exponents");
+  require_device_pointer(o.data, sizeof(uint64_t), "O");
+  validate_view("O", o, pl.tokens, pl.heads_q, pl.head_dim);
+  if (o.stride_token % 4 != 0 || o.stride_head % 4 != 0)
+    reject("O's token and head strides must be multiples of 4 elements (8-byte loads)");
+  require_device_pointer(lse, sizeof(float), "LSE");
+  require_bf16_output(grads.dq, pl, pl.heads_q, "dQ");
+  require_bf16_output(grads.dk, pl, pl.heads_kv, "dK");
+  require_bf16_output(grads.dv, pl, pl.heads_kv, "dV");
+
+  if (!m.backward) {
+    auto b = std::make_unique<BackwardState>();
+    const std::vector<sm90::bwd::WorkItem> items =
+        sm90::bwd::backward_work_list(pl, m.options.attention.causal);
+    if (items.size() > size_t(INT32_MAX)) reject("too many backward work items");
+    b->num_items = int(items.size());
+    b->ctas = std::min(b->num_items, multiprocessors());
+    b->items = cuda::DeviceBuffer::upload(items);
+    b->counter = cuda::DeviceBuffer(sizeof(int));
+    const int64_t rows = pl.tokens * pl.heads_q;
+    b->delta = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
+    b->dq_accum = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * kHeadDim * sizeof(float));
+    b->dq_turn_stride = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
+    if (m.options.deterministic)
+      b->dq_turns = cuda::DeviceBuffer(size_t(b->dq_turn_stride) * pl.heads_q * sizeof(int));
+    m.backward = std::move(b);
+  }
+  BackwardState& b = *m.backward;
+  if (pl.tokens == 0) return;
+
+  const QuantLayout lq = QuantLayout::make(pl.tokens, pl.heads_q, pl.head_dim, pl.num_docs);
+  const QuantLayout lkv = QuantLayout::make(pl.tokens, pl.heads_kv, pl.head_dim, pl.num_docs);
+  sm90::bwd::PreprocessParams pre;
+  pre.dout_codes = quant.dout.codes;
+  pre.dout_exponents = quant.dout.exponents;
+  pre.tokens_padded = lq.tokens_padded;
+  pre.o = o.data;
+  pre.o_stride_token = o.stride_token;
+  pre.o_stride_head = o.stride_head;
+  pre.delta = b.delta.get<float>();
+  pre.dq_accum = b.dq_accum.get<float>();
+  pre.tokens = pl.tokens;
+  pre.heads_q = pl.heads_q;
+  sm90::bwd::launch_preprocess(pre, stream);
+
+  sm90::bwd::Params p;
+  if (qk16) {
+    p.map_q = bf16_map(in.q, pl.tokens, pl.heads_q, kBlockM);
+    p.map_k = bf16_map(in.k, pl.tokens, pl.heads_kv, kBlockN);
+  } else {
+    p.map_q = codes_map(quant.q.codes, pl.tokens, pl.heads_q, kBlockM);
+    p.map_k = codes_map(quant.k.codes, pl.tokens, pl.heads_kv, kBlockN);
+  }
+  p.map_v = codes_map(quant.v.codes, pl.tokens, pl.heads_kv, kBlockN);
+  p.map_dout = codes_map(quant.dout.codes, pl.tokens, pl.heads_q, kBlockM);
+  p.map_qt = codes_t_map(quant.q.codes_t, lq, kBlockM);
+  p.map_doutt = codes_t_map(quant.dout.codes_t, lq, kBlockM);
+  p.map_kt = codes_t_map(quant.k.codes_t, lkv, kBlockN);
+  p.items = b.items.get<sm90::bwd::WorkItem>();
+  p.num_items = b.num_items;
+  p.counter = b.counter.get<int>();
+  p.cu_seqlens = in.cu_seqlens;
+  p.q_exponents = quant.q.exponents;
+  p.k_exponents = quant.k.exponents;
+  p.v_exponents = quant.v.exponents;
+  p.dout_exponents = quant.dout.exponents;
+  p.tokens_padded = lq.tokens_padded;
+  p.lse = lse;
+  p.delta = b.delta.get<float>();
+  p.dq_accum = b.dq_accum.get<float>();
+  if (m.options.deterministic) {
+    p.dq_turns = b.dq_turns.get<int>();
+    p.dq_turn_stride = b.dq_turn_stride;
+    FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.dq_turns, 0, b.dq_turns.bytes(), stream));
+  }
+  p.dk = grads.dk.data;
+  p.dv = grads.dv.data;
+  p.dk_stride_token = grads.dk.stride_token;
+  p.dk_stride_head = grads.dk.stride_head;
+  p.dv_stride_token = grads.dv.stride_token;
+  p.dv_stride_head = grads.dv.stride_head;
+  p.tokens = pl.tokens;
+  p.heads_q = pl.heads_q;
+  p.group = pl.group();
+  p.scale_log2 = m.options.attention.scale_log2_for(pl.head_dim);
+  p.scale = float(m.options.attention.scale_for(pl.head_dim));
+  if (b.num_items > 0) {
+    FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.counter, 0, sizeof(int), stream));
+    const bool causal = m.options.attention.causal;
+    if (qk16) {
+      if (causal)
+        sm90::bwd::launch_backward<ScoreOperand::kBf16, true>(p, b.ctas, stream);
+      else
+        sm90::bwd::launch_backward<ScoreOperand::kBf16, false>(p, b.ctas, stream);
+    } else {
+      if (causal)
+        sm90::bwd::launch_backward<ScoreOperand::kE4m3, true>(p, b.ctas, stream);
+      else
+        sm90::bwd::launch_backward<ScoreOperand::kE4m3, false>(p, b.ctas, stream);
+    }
+  }
+
+  sm90::bwd::PostprocessParams post;
+  post.dq_accum = b.dq_accum.get<float>();
+  post.dq = grads.dq.data;
+  post.dq_stride_token = grads.dq.stride_token;
+  post.dq_stride_head = grads.dq.stride_head;
+  post.tokens = pl.tokens;
+  post.heads_q = pl.heads_q;
+  post.scale = p.scale;
+  sm90::bwd::launch_postprocess(post, stream);
+}
+
+void GpuAttention::backward(const DeviceAttentionInputs& in, TokenTensor<const uint16_t> o,
+                            const float* lse, const DeviceAttentionGradients& grads,
+                            cudaStream_t stream) {
+  Impl& m = *impl_;
+  if (!m.quant) reject("the training call's backward needs a BF16 forward on this object first");
+  if (in.layout.cu_seqlens == nullptr || !same_layout(in.layout, m.layout))
+    reject("the inputs' layout differs from the one this GpuAttention was built for");
+  if (in.dout.data == nullptr) reject("dO is null");
+  quantize_gpu(in, m.quantize_options(), m.quant->view(), stream);
+  backward(in, m.quant->view(), o, lse, grads, stream);
+}
+
+AttentionOutputs<float> training_gpu_to_host(const AttentionBatch& batch,
+                                             const GpuAttentionOptions& options) {
+  const PackedLayout pl = batch.layout();
+  if (batch.dout.size() != batch.q.size()) throw Error("training_gpu_to_host: the batch has no dO");
+  GpuAttention attention(pl, options);
+  const int dim = pl.head_dim;
+  const cuda::DeviceBuffer cu = cuda::DeviceBuffer::upload(batch.cu_seqlens);
+  const cuda::DeviceBuffer q = cuda::DeviceBuffer::upload(batch.q);
+  const cuda::DeviceBuffer k = cuda::DeviceBuffer::upload(batch.k);
+  const cuda::DeviceBuffer v = cuda::DeviceBuffer::upload(batch.v);
+  const cuda::DeviceBuffer g = cuda::DeviceBuffer::upload(batch.dout);
+  const size_t q_elems = size_t(pl.tokens) * pl.heads_q * dim;
+  const size_t kv_elems = size_t(pl.tokens) * pl.heads_kv * dim;
+  const cuda::DeviceBuffer o(q_elems * sizeof(uint16_t)), dq(q_elems * sizeof(uint16_t));
+  const cuda::DeviceBuffer dk(kv_elems * sizeof(uint16_t)), dv(kv_elems * sizeof(uint16_t));
+  const cuda::DeviceBuffer lse(size_t(pl.tokens) * pl.heads_q * sizeof(float));
+
+  const DeviceAttentionInputs in =
+      dense_device_inputs(pl, cu.get<int32_t>(), q.get<uint16_t>(), k.get<uint16_t>(),
+                          v.get<uint16_t>(), g.get<uint16_t>());
+  DeviceAttentionOutputs out;
+  out.o = dense_view<uint16_t>(o.get<uint16_t>(), pl.heads_q, dim);
+  out.lse = lse.get<float>();
+  attention.forward(in, out, nullptr);
+  DeviceAttentionGradients grads;
+  grads.dq = dense_view<uint16_t>(dq.get<uint16_t>(), pl.heads_q, dim);
+  grads.dk = dense_view<uint16_t>(dk.get<uint16_t>(), pl.heads_kv, dim);
+  grads.dv = dense_view<uint16_t>(dv.get<uint16_t>(), pl.heads_kv, dim);
+  attention.backward(in, dense_view<const uint16_t>(o.get<uint16_t>(), pl.heads_q, dim),
+                     lse.get<float>(), grads, nullptr);
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+  attention.quantizer_status().throw_if_any();
+
+  const auto decode = [](const cuda::DeviceBuffer& b) {
+    const std::vector<uint16_t> bits = b.download<uint16_t>();
+    std::vector<float> out(bits.size());
+    std::transform(bits.begin(), bits.end(), out.begin(),
+                   [](uint16_t x) { return bf16::decode(x); });
+    return out;
+  };
+  AttentionOutputs<float> result;
+  result.o = decode(o);
+  result.lse = lse.download<float>();
+  result.dq = decode(dq);
+  result.dk = decode(dk);
+  result.dv = decode(dv);
+  return result;
+}
+
+}  // namespace flamia

@@ -1,0 +1,119 @@
+// Host-side pieces shared by the GPU forward and backward (attention_fwd.cu, attention_bwd.cu):
+// argument checks, tensor maps of the operand layouts, and GpuAttention's state.
+#pragma once
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bwd_params.h"
+#include "check.h"
+#include "device_buffer.h"
+#include "flamia/attention_gpu.h"
+#include "quantize_outputs.h"
+#include "scheduler.h"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace flamia {
+namespace gpu_attention {
+
+constexpr int kHeadDim = sm90::fwd::kHeadDim;
+static_assert(sm90::bwd::kHeadDim == kHeadDim, "one head dimension for both passes");
+
+[[noreturn]] inline void reject(const std::string& what) {
+  throw Error("GPU attention: " + what);
+}
+
+inline void require_device_pointer(const void* p, size_t alignment, const std::string& name) {
+  if (p == nullptr) reject(name + " is null");
+  if (reinterpret_cast<uintptr_t>(p) % alignment != 0)
+    reject(name + " is not " + std::to_string(alignment) + "-byte aligned");
+}
+
+inline bool same_layout(const PackedLayout& a, const PackedLayout& b) {
+  if (a.num_docs != b.num_docs || a.tokens != b.tokens || a.heads_q != b.heads_q ||
+      a.heads_kv != b.heads_kv || a.head_dim != b.head_dim)
+    return false;
+  return std::equal(a.cu_seqlens, a.cu_seqlens + a.num_docs + 1, b.cu_seqlens);
+}
+
+// BF16 output views: pairs of elements go out as one 4-byte store.
+inline void require_bf16_output(const TokenTensor<uint16_t>& v, const PackedLayout& pl, int heads,
+                                const std::string& name) {
+  require_device_pointer(v.data, sizeof(uint32_t), name);
+  validate_view(name.c_str(), v, pl.tokens, heads, pl.head_dim);
+  if (v.stride_token % 2 != 0 || v.stride_head % 2 != 0)
+    reject(name + "'s token and head strides must be even (pairs of BF16 go out as one store)");
+}
+
+// E4M3 codes [T][H][D]: one 128-byte row per token and head, boxes of `rows` tokens.
+inline CUtensorMap codes_map(const uint8_t* codes, int64_t tokens, int heads, int rows) {
+  return sm90::make_tensor_map_3d(
+      codes, CU_TENSOR_MAP_DATA_TYPE_UINT8, {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},
+      {uint64_t(kHeadDim), uint64_t(heads) * kHeadDim}, {uint32_t(kHeadDim), 1, uint32_t(rows)},
+      CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// BF16 inputs (strided view): boxes of 64 elements (one 128-byte swizzle span) by `rows` tokens.
+inline CUtensorMap bf16_map(const TokenTensor<const uint16_t>& v, int64_t tokens, int heads,
+                            int rows) {
+  constexpr uint32_t kSpanElems = 64;
+  return sm90::make_tensor_map_3d(
+      v.data, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+      {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},
+      {uint64_t(v.stride_head) * sizeof(uint16_t), uint64_t(v.stride_token) * sizeof(uint16_t)},
+      {kSpanElems, 1, uint32_t(rows)}, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// codes_t [H * D][Tt]: boxes of `positions` (64 or 128 bytes, the matching swizzle) by D rows.
+inline CUtensorMap codes_t_map(const uint8_t* codes_t, const QuantLayout& l, int positions) {
+  const CUtensorMapSwizzle swizzle = positions == int(sm90::wgmma::kSw64RowBytes)
+                                         ? CU_TENSOR_MAP_SWIZZLE_64B
+                                         : CU_TENSOR_MAP_SWIZZLE_128B;
+  return sm90::make_tensor_map_2d(codes_t, CU_TENSOR_MAP_DATA_TYPE_UINT8, uint64_t(l.tokens_t),
+                                  uint64_t(l.heads) * kHeadDim, uint64_t(l.tokens_t),
+                                  uint32_t(positions), uint32_t(kHeadDim), swizzle);
+}
+
+inline int multiprocessors() {
+  int device = 0, sms = 0;
+  FLAMIA_CUDA_CHECK(cudaGetDevice(&device));
+  FLAMIA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// The backward's work list (uploaded once) and workspaces (allocated at the first backward).
+struct BackwardState {
+  int num_items = 0;
+  int ctas = 0;
+  cuda::DeviceBuffer items, counter, delta, dq_accum, dq_turns;
+  int64_t dq_turn_stride = 0;
+};
+
+}  // namespace gpu_attention
+
+struct GpuAttention::Impl {
+  PackedLayout layout;
+  std::vector<int32_t> cu_seqlens;  // host copy; layout.cu_seqlens points here
+  GpuAttentionOptions options;
+  sm90::ScheduleGeometry geometry;
+  int64_t items = 0;
+  int max_key_blocks = 0;
+  int ctas = 0;
+  cuda::DeviceBuffer item_buffer, counter, workspace;
+  // The BF16 entries' quantizer outputs (dO's arrays included, for the training call's backward).
+  std::unique_ptr<cuda::QuantizeOutputs> quant;
+  std::unique_ptr<gpu_attention::BackwardState> backward;
+
+  QuantizeOptions quantize_options() const {
+    QuantizeOptions q;
+    q.policy = options.policy;
+    q.hadamard = options.hadamard;
+    q.transposed = true;
+    return q;
+  }
+};
+
+}  // namespace flamia

@@ -1,0 +1,15 @@
+// Instantiations of the backward main kernel for the mxfp8 recipe (E4M3 score product).
+#include "bwd_kernel.cuh"
+
+namespace flamia::sm90::bwd {
+
+template <>
+void launch_backward<ScoreOperand::kE4m3, true>(const Params& p, int ctas, cudaStream_t stream) {
+  launch_backward_impl<ScoreOperand::kE4m3, true>(p, ctas, stream);
+}
+template <>
+void launch_backward<ScoreOperand::kE4m3, false>(const Params& p, int ctas, cudaStream_t stream) {
+  launch_backward_impl<ScoreOperand::kE4m3, false>(p, ctas, stream);
+}
+
+}  // namespace flamia::sm90::bwd

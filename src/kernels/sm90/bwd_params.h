@@ -1,0 +1,116 @@
+// The backward attention kernels' geometry and parameters, shared by their device stages and the
+// host code that launches them (attention_bwd.cu).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "flamia/packed.h"
+#include "fwd_params.h"
+
+namespace flamia::sm90::bwd {
+
+using fwd::ScoreOperand;
+
+constexpr int kBlockM = 64;    // query rows per step of a work item
+constexpr int kBlockN = 128;   // keys per work item: two consumer warpgroups of 64
+constexpr int kHeadDim = 128;  // the one head dimension instantiated
+constexpr int kQStages = 2;    // depth of the query-side ring (Q, dO, their K-major copies, rows)
+
+// One key block of one document and key/value head; the CTA loops over the group's query heads
+// and, for each, over the query tiles from the causal diagonal (or the first) to the last.
+struct alignas(16) WorkItem {
+  int32_t doc;
+  int32_t key_block;  // document-relative
+  int32_t kv_head;
+  int32_t query_tiles;  // per query head: the sort key
+};
+static_assert(sizeof(WorkItem) == 16, "one 16-byte vector load per item");
+
+// First query tile a key block visits: causal, the one holding the block's first key.
+FLAMIA_HD int32_t first_query_tile(int32_t key_block, bool causal) {
+  return causal ? key_block * (kBlockN / kBlockM) : 0;
+}
+
+// Host: the work list of a validated layout, longest first; ties keep (document, key/value head,
+// key block) order, so a key block always comes after the lower ones of its document and head —
+// what the deterministic dQ reduction's ordered turns rely on to be free of deadlock.
+std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal);
+
+// The deterministic mode's dQ turn counters: one per (query head, query tile of a document), the
+// tiles of document b starting at (cu_seqlens[b] + b * kBlockM) / kBlockM.
+FLAMIA_HD int64_t dq_tile_slot(int64_t doc_begin, int doc, int q_tile) {
+  return (doc_begin + int64_t(doc) * kBlockM) / kBlockM + q_tile;
+}
+inline int64_t dq_tile_slots(int64_t tokens, int num_docs) {
+  return dq_tile_slot(tokens, num_docs, 0) + 1;
+}
+
+struct Params {
+  CUtensorMap map_q;      // score operand Q [T][Hq][D]: E4M3 codes or BF16 inputs; kBlockM rows
+  CUtensorMap map_k;      // score operand K [T][Hkv][D]; kBlockN rows
+  CUtensorMap map_v;      // V codes [T][Hkv][D]
+  CUtensorMap map_dout;   // dO codes [T][Hq][D]
+  CUtensorMap map_qt;     // Q codes_t [Hq * D][Tt]: boxes of kBlockM positions x D, 64B swizzle
+  CUtensorMap map_doutt;  // dO codes_t, likewise
+  CUtensorMap map_kt;     // K codes_t [Hkv * D][Tt]: boxes of kBlockN positions x D
+  const WorkItem* items = nullptr;
+  int num_items = 0;
+  int* counter = nullptr;                   // next item; zeroed before the launch
+  const int32_t* cu_seqlens = nullptr;      // device
+  const uint8_t* q_exponents = nullptr;     // [Hq][Tp] UE8M0
+  const uint8_t* k_exponents = nullptr;     // [Hkv][Tp]
+  const uint8_t* v_exponents = nullptr;     // [Hkv][Tp]
+  const uint8_t* dout_exponents = nullptr;  // [Hq][Tp]
+  int64_t tokens_padded = 0;                // Tp
+  const float* lse = nullptr;               // [Hq][T], natural log (the forward's)
+  const float* delta = nullptr;             // [Hq][T], D (the preprocess's)
+  float* dq_accum = nullptr;                // [T][Hq][D] FP32, zeroed by the preprocess
+  int* dq_turns = nullptr;                  // [Hq][dq_tile_slots]; null: atomic (unordered) dQ
+  int64_t dq_turn_stride = 0;               // dq_tile_slots
+  uint16_t* dk = nullptr;                   // BF16 bits, element strides below
+  uint16_t* dv = nullptr;
+  int64_t dk_stride_token = 0, dk_stride_head = 0;
+  int64_t dv_stride_token = 0, dv_stride_head = 0;
+  int64_t tokens = 0;
+  int heads_q = 0;
+  int group = 1;            // query heads per key/value head
+  float scale_log2 = 0.0f;  // softmax scale * log2(e)
+  float scale = 0.0f;       // softmax scale (dK's final factor)
+};
+
+// Launches the persistent main kernel (bwd_mxfp8.cu, bwd_qk16.cu) with `ctas` CTAs.
+template <ScoreOperand kScore, bool kCausal>
+void launch_backward(const Params& p, int ctas, cudaStream_t stream);
+
+// Preprocess: D = rowsum(dequant(dO_q) * O) per (query head, token) and dq_accum cleared
+// (bwd_prepost.cu).
+struct PreprocessParams {
+  const uint8_t* dout_codes = nullptr;      // [T][Hq][D]
+  const uint8_t* dout_exponents = nullptr;  // [Hq][Tp]
+  int64_t tokens_padded = 0;
+  const uint16_t* o = nullptr;  // BF16 bits, element strides below
+  int64_t o_stride_token = 0, o_stride_head = 0;
+  float* delta = nullptr;     // [Hq][T]
+  float* dq_accum = nullptr;  // [T][Hq][D]
+  int64_t tokens = 0;
+  int heads_q = 0;
+};
+void launch_preprocess(const PreprocessParams& p, cudaStream_t stream);
+
+// Postprocess: dQ = dq_accum * scale, to BF16.
+struct PostprocessParams {
+  const float* dq_accum = nullptr;  // [T][Hq][D]
+  uint16_t* dq = nullptr;           // BF16 bits, element strides below
+  int64_t dq_stride_token = 0, dq_stride_head = 0;
+  int64_t tokens = 0;
+  int heads_q = 0;
+  float scale = 0.0f;
+};
+void launch_postprocess(const PostprocessParams& p, cudaStream_t stream);
+
+}  // namespace flamia::sm90::bwd

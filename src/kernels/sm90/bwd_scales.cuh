@@ -1,0 +1,71 @@
+// Per-query-row vectors of one backward step, staged in shared memory by the producer warp (DESIGN
+// §2, §4): the terms of P and dS, the Q scale folded into dS^T for dK, and the dO scales folded
+// into P^T for dV relative to the tile's reference exponent C (constant along dV's contraction).
+#pragma once
+
+#include <climits>
+#include <cmath>
+
+#include "arch.cuh"
+#include "bwd_smem.cuh"
+#include "flamia/attention.h"
+#include "flamia/emulator.h"
+#include "flamia/formats.h"
+
+namespace flamia::sm90::bwd {
+
+constexpr int kRowsPerLane = kBlockM / int(kWarpThreads);
+static_assert(kRowsPerLane * int(kWarpThreads) == kBlockM, "one warp covers a query tile");
+// P^T * 2^(e_dO - C + 8) <= 2^8: folds below 2^-kFoldFloorLog2 give E4M3 zero either way.
+constexpr int kFoldFloorLog2 = 64;
+constexpr uint8_t kUnitExponentCode = ue8m0::kBias;
+
+struct StepGeometry {
+  int64_t begin;  // the document's first token
+  int length;     // its tokens
+  int m0;         // the tile's first (document-relative) query row
+  int n0;         // the key block's first key
+  int head;       // query head
+};
+
+// All 32 lanes of the producer warp; lane l stages rows l and l + 32.
+template <ScoreOperand kScore, bool kCausal>
+__device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p,
+                                                 const StepGeometry& g, int lane) {
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+  int e_g[kRowsPerLane];
+  bool sees[kRowsPerLane];
+  int c_ref = INT_MIN;
+#pragma unroll
+  for (int k = 0; k < kRowsPerLane; ++k) {
+    const int r = lane + k * int(kWarpThreads);
+    const int64_t token = g.begin + g.m0 + r;
+    const bool valid = g.m0 + r < g.length;
+    const int64_t exp_at = int64_t(g.head) * p.tokens_padded + token;
+    const int e_q = valid ? int(__ldg(p.q_exponents + exp_at)) - ue8m0::kBias : 0;
+    e_g[k] = valid ? int(__ldg(p.dout_exponents + exp_at)) - ue8m0::kBias : 0;
+    const float q_unit = exp2i(e_q);
+    RowTerms t;
+    t.rf = kScore == ScoreOperand::kE4m3 ? p.scale_log2 * q_unit : p.scale_log2;
+    const int64_t stat_at = int64_t(g.head) * p.tokens + token;
+    t.lse2 = valid ? __ldg(p.lse + stat_at) * kLog2e : INFINITY;
+    t.delta = valid ? __ldg(p.delta + stat_at) : 0.0f;
+    t.g = valid ? exp2i(e_g[k]) : 0.0f;
+    dst.terms[r] = t;
+    dst.folds[r].q = valid ? q_unit : 0.0f;
+    sees[k] = valid && (!kCausal || g.m0 + r >= g.n0);
+    if (sees[k]) c_ref = max(c_ref, e_g[k]);
+  }
+#pragma unroll
+  for (int d = 1; d < int(kWarpThreads); d *= 2)
+    c_ref = max(c_ref, __shfl_xor_sync(kFull, c_ref, d));
+#pragma unroll
+  for (int k = 0; k < kRowsPerLane; ++k) {
+    const int r = lane + k * int(kWarpThreads);
+    dst.folds[r].p_fold =
+        sees[k] ? exp2i(max(e_g[k] - c_ref + kPOffsetLog2, -kFoldFloorLog2)) : 0.0f;
+  }
+  if (lane == 0) dst.dv_unit = c_ref == INT_MIN ? 0.0f : exp2i(c_ref - kPOffsetLog2);
+}
+
+}  // namespace flamia::sm90::bwd

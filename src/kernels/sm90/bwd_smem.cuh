@@ -1,0 +1,88 @@
+// Shared memory of the backward main kernel: the key block (K, V and K's K-major copy, loaded once
+// per work item), the query-side ring (Q, dO, their K-major copies and the per-row vectors of one
+// query tile), the quantized dS tile of the dQ product, and the dQ row-scale maxima.
+//
+// Every MMA operand is K-major and swizzled as TMA writes it and wgmma reads it: 128 B rows where
+// K spans 128 bytes, 64 B rows for the query-side K-major copies (K = the tile's 64 queries).
+#pragma once
+
+#include <cstdint>
+
+#include "bwd_params.h"
+#include "mbarrier.cuh"
+#include "wgmma.cuh"
+
+namespace flamia::sm90::bwd {
+
+// Per query row of a tile, staged by the producer (bwd_scales.cuh); float4 so a thread's column
+// pair needs two vector loads.
+struct RowTerms {
+  float rf;     // softmax scale * log2(e) * 2^e_q: S's row factor (2^e_q is 1 for BF16 Q)
+  float lse2;   // LSE * log2(e); +inf outside the document, so P = 0 there
+  float delta;  // D; 0 outside the document
+  float g;      // 2^e_dO; 0 outside the document
+};
+struct RowFolds {
+  float q;       // 2^e_q, folded into dS^T for dK; 0 outside the document
+  float p_fold;  // 2^(e_dO - C + 8), folded into P^T for dV (C: stage's dv_unit)
+};
+
+struct alignas(16) QueryRows {
+  RowTerms terms[kBlockM];
+  RowFolds folds[kBlockM];
+  float dv_unit;  // 2^(C - 8), C = max e_dO over the tile's rows that see the key block; 0: none
+};
+
+// The dS tile's rows (queries) hold the key block's 128 keys, each 16 in transposed_slot order so
+// that it meets K's codes_t in the dQ product.
+constexpr uint32_t kDsBytes = kBlockM * kBlockN;
+// Rotating buffers of per-query |dS| maxima (float bits as int, for atomicMax): a step fills one
+// while the previous one may still be read and the one before is being cleared.
+constexpr int kMaxBuffers = 3;
+
+template <ScoreOperand kScore>
+struct SmemLayout {
+  static constexpr int kElemBytes = kScore == ScoreOperand::kE4m3 ? 1 : 2;
+  static constexpr int kSpans = kHeadDim * kElemBytes / int(wgmma::kSw128RowBytes);
+  static constexpr int kSpanElems = int(wgmma::kSw128RowBytes) / kElemBytes;
+  static constexpr uint32_t kQSpanBytes = kBlockM * wgmma::kSw128RowBytes;
+  static constexpr uint32_t kKSpanBytes = kBlockN * wgmma::kSw128RowBytes;
+  static constexpr uint32_t kQBytes = kSpans * kQSpanBytes;      // score operand Q
+  static constexpr uint32_t kKBytes = kSpans * kKSpanBytes;      // score operand K
+  static constexpr uint32_t kCodesQBytes = kBlockM * kHeadDim;   // dO codes
+  static constexpr uint32_t kCodesKBytes = kBlockN * kHeadDim;   // V codes, K codes_t
+  static constexpr uint32_t kCodesTQBytes = kHeadDim * kBlockM;  // Q, dO codes_t
+  static constexpr uint32_t kQStageBytes = kQBytes + kCodesQBytes + 2 * kCodesTQBytes;
+  static constexpr uint32_t kKeyBlockBytes = kKBytes + 2 * kCodesKBytes;
+  // A consumer warpgroup's 64 keys of a [keys][128 B] tile.
+  static constexpr uint32_t kWarpgroupKeyBytes = wgmma::kM * wgmma::kSw128RowBytes;
+  static constexpr int kStepsPerSpan = int(wgmma::kSw128RowBytes / wgmma::kKBytes);
+  static constexpr int kScoreSteps = kSpans * kStepsPerSpan;
+  static_assert(kHeadDim == int(wgmma::kSw128RowBytes), "an E4M3 row is one 128 B swizzle span");
+  static_assert(kBlockM == int(wgmma::kSw64RowBytes), "a query tile's K-major copy: 64 B rows");
+  static_assert(kBlockN == int(wgmma::kSw128RowBytes), "a key block's K-major copy: 128 B rows");
+  static_assert(kQSpanBytes % wgmma::kSw128AtomBytes == 0 && kCodesTQBytes % 1024 == 0,
+                "descriptor bases stay 1024 B aligned");
+};
+
+template <ScoreOperand kScore>
+struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
+  using L = SmemLayout<kScore>;
+  uint8_t k[L::kKBytes];            // score operand K
+  uint8_t v[L::kCodesKBytes];       // V codes [keys][D]
+  uint8_t kt[L::kCodesKBytes];      // K codes_t [D][keys]
+  uint8_t q[kQStages][L::kQBytes];  // score operand Q
+  uint8_t dout[kQStages][L::kCodesQBytes];
+  uint8_t qt[kQStages][L::kCodesTQBytes];     // Q codes_t [D][queries], 64B swizzle
+  uint8_t doutt[kQStages][L::kCodesTQBytes];  // dO codes_t, likewise
+  // Quantized dS [queries][keys]: one buffer, as a warpgroup writes the next step's only after
+  // the kMaxReady barrier, which the other passes only once its dQ product has completed.
+  uint8_t ds[kDsBytes];
+  QueryRows rows[kQStages];
+  int row_max[kMaxBuffers][kBlockM];
+  WorkItem item;
+  Pipeline<1> kv_pipe;
+  Pipeline<kQStages> q_pipe;
+};
+
+}  // namespace flamia::sm90::bwd

@@ -1,0 +1,217 @@
+// The backward consumer warpgroups' mainloop: warpgroup w owns keys 64w..64w+63 of the work item's
+// key block and, for each query head of the group and each query tile from the diagonal on,
+//   S^T = K Q^T and dP^T = V dO^T          (SS wgmma; S on E4M3 codes or on BF16 inputs)
+//   P, dS and the folded operands           (softmax_bwd.cuh)
+//   dV_tile = P~^T dO, dK_tile = dS~^T Q    (register-A QGMMA against the K-major copies of dO and
+//                                            Q) added to FP32 dV and dK with their units: fresh
+//                                            registers per tile, as the FP8 MMA chains imprecisely
+//   dQ_tile = dS~ K                         (dS~ through shared memory, both warpgroups' keys; each
+//                                            warpgroup takes 64 of the 128 head-dim columns)
+// dQ partials go to the FP32 accumulator in global memory (epilogue_bwd.cuh); dK, dV are stored
+// once per item.
+#pragma once
+
+#include "bwd_scales.cuh"
+#include "epilogue_bwd.cuh"
+#include "named_barrier.cuh"
+#include "proxy_fence.cuh"
+#include "softmax_bwd.cuh"
+
+namespace flamia::sm90::bwd {
+
+enum class ConsumerBarrier : uint32_t {
+  kMaxReady = kFirstNamedBarrier,  // every query's |dS| maximum is in row_max
+  kDsReady,                        // the quantized dS tile is in shared memory
+  kWarpgroup0,                     // one warpgroup (the ordered dQ turn)
+  kWarpgroup1,
+};
+static_assert(named_barrier_id_valid(ConsumerBarrier::kWarpgroup1), "named barrier ids");
+constexpr uint32_t kConsumerThreads = 2 * kWarpgroupThreads;
+constexpr int kHalfDim = kHeadDim / 2;  // dK, dV accumulate in two m64n64 halves
+
+template <ScoreOperand kScore>
+__device__ __forceinline__ void issue_score_products(float (&s)[kTileRegs], float (&dp)[kTileRegs],
+                                                     const SharedStorage<kScore>& sm, int stage,
+                                                     int warpgroup) {
+  using L = SmemLayout<kScore>;
+  wgmma::fence_operands(s);
+  wgmma::fence_operands(dp);
+  wgmma::fence();
+#pragma unroll
+  for (int step = 0; step < L::kScoreSteps; ++step) {
+    const int span = step / L::kStepsPerSpan;
+    const uint32_t offset = (step % L::kStepsPerSpan) * wgmma::kKBytes;
+    const uint64_t desc_k = wgmma::desc_advance(
+        wgmma::make_desc_sw128(sm.k + span * L::kKSpanBytes + warpgroup * L::kWarpgroupKeyBytes),
+        offset);
+    const uint64_t desc_q =
+        wgmma::desc_advance(wgmma::make_desc_sw128(sm.q[stage] + span * L::kQSpanBytes), offset);
+    if constexpr (kScore == ScoreOperand::kE4m3) {
+      wgmma::mma_e4m3<kBlockM>(s, desc_k, desc_q, step > 0);
+    } else {
+      wgmma::mma_bf16<kBlockM>(s, desc_k, desc_q, step > 0);
+    }
+  }
+  constexpr int kCodeSteps = int(wgmma::kSw128RowBytes / wgmma::kKBytes);
+#pragma unroll
+  for (int step = 0; step < kCodeSteps; ++step) {
+    const uint32_t offset = step * wgmma::kKBytes;
+    wgmma::mma_e4m3<kBlockM>(
+        dp,
+        wgmma::desc_advance(wgmma::make_desc_sw128(sm.v + warpgroup * L::kWarpgroupKeyBytes),
+                            offset),
+        wgmma::desc_advance(wgmma::make_desc_sw128(sm.dout[stage]), offset), step > 0);
+  }
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operands(s);
+  wgmma::fence_operands(dp);
+}
+
+// acc[half] += unit(key) * (A^T B^T)[:, 64 half ..]: A from registers (keys x queries), B a query
+// tile's K-major copy [D][queries] (64B swizzle), one m64n64 product per half.
+__device__ __forceinline__ void accumulate_key_product(float (&acc)[2][kTileRegs],
+                                                       const uint32_t (&a)[kQuerySlices][4],
+                                                       const uint8_t* bt,
+                                                       const float (&unit)[kKeyRows]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float tile[kTileRegs];
+    const uint64_t desc = wgmma::make_desc_sw64(bt + half * kHalfDim * int(wgmma::kSw64RowBytes));
+    wgmma::fence_operands(tile);
+    wgmma::fence();
+#pragma unroll
+    for (int k = 0; k < kQuerySlices; ++k)
+      wgmma::mma_e4m3_rs<kHalfDim>(tile, a[k], wgmma::desc_advance(desc, k * wgmma::kKBytes),
+                                   k > 0);
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_operands(tile);
+#pragma unroll
+    for (int i = 0; i < kTileRegs; ++i)
+      acc[half][i] = fmaf(tile[i], unit[key_half(i)], acc[half][i]);
+  }
+}
+
+template <ScoreOperand kScore>
+__device__ __forceinline__ void issue_dq_product(float (&dq)[kTileRegs],
+                                                 const SharedStorage<kScore>& sm, int warpgroup) {
+  const uint64_t desc_ds = wgmma::make_desc_sw128(sm.ds);
+  const uint64_t desc_kt =
+      wgmma::make_desc_sw128(sm.kt + warpgroup * kHalfDim * int(wgmma::kSw128RowBytes));
+  wgmma::fence_operands(dq);
+  wgmma::fence();
+  constexpr int kSteps = int(wgmma::kSw128RowBytes / wgmma::kKBytes);
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step)
+    wgmma::mma_e4m3<kHalfDim>(dq, wgmma::desc_advance(desc_ds, step * wgmma::kKBytes),
+                              wgmma::desc_advance(desc_kt, step * wgmma::kKBytes), step > 0);
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operands(dq);
+}
+
+// dQ's operand: each listed query's maximum over all 128 keys -> er, then E4M3(dS 2^e_k / 2^er)
+// into the dS tile at [query][transposed_slot(key)].
+__device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds)[kTileRegs],
+                                              const KeyRows& kr, const int* row_max, int quad,
+                                              int key_base) {
+  float inv[kThreadQueries];
+#pragma unroll
+  for (int n = 0; n < kThreadQueries; ++n)
+    inv[n] = exp2i(-scale_exponent_up(__int_as_float(row_max[listed_query(quad, n)]), kE4m3Max));
+#pragma unroll
+  for (int i = 0; i < kTileRegs; ++i) {
+    const int n = 2 * (i >> 2) + (i & 1), r = key_half(i);
+    const int slot = transposed_slot(key_base + 8 * r);
+    const uint32_t code = e4m3x2_rn_satfinite((ds[i] * kr.fold[r]) * inv[n], 0.0f) & 0xFFu;
+    ds_tile[wgmma::sw128_offset(uint32_t(query_of(quad, i)), uint32_t(slot))] = uint8_t(code);
+  }
+}
+
+template <ScoreOperand kScore, bool kCausal>
+__device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, int warpgroup) {
+  const int t = threadIdx.x % kWarpgroupThreads;
+  const int quad = t % 4;
+  const bool releases = lane_index() == 0;
+  const int key_base = warpgroup * wgmma::kM + wgmma::acc_row(t, 0);  // the thread's first key
+  PipelineState<1> kv_state;
+  PipelineState<kQStages> q_state;
+  uint32_t step = 0;  // steps of this CTA so far: rotates row_max
+
+  for (;;) {
+    sm.kv_pipe.consumer_wait(kv_state);
+    const WorkItem item = sm.item;
+    if (item.doc < 0) return;
+    const int64_t begin = p.cu_seqlens[item.doc];
+    const int length = int(p.cu_seqlens[item.doc + 1] - begin);
+    const int n0 = item.key_block * kBlockN;
+
+    KeyRows kr;
+#pragma unroll
+    for (int r = 0; r < kKeyRows; ++r) {
+      kr.key[r] = n0 + key_base + 8 * r;
+      const bool valid = kr.key[r] < length;
+      const int64_t at = int64_t(item.kv_head) * p.tokens_padded + begin + kr.key[r];
+      const float k_unit = valid ? exp2i(int(__ldg(p.k_exponents + at)) - ue8m0::kBias) : 0.0f;
+      kr.fold[r] = k_unit;
+      kr.score[r] = kScore == ScoreOperand::kE4m3 ? k_unit : 1.0f;
+      kr.v[r] = valid ? exp2i(int(__ldg(p.v_exponents + at)) - ue8m0::kBias) : 0.0f;
+    }
+    float dv[2][kTileRegs], dk[2][kTileRegs];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < kTileRegs; ++i) dv[h][i] = dk[h][i] = 0.0f;
+
+    const int tiles = (length + kBlockM - 1) / kBlockM;
+    for (int hh = 0; hh < p.group; ++hh) {
+      const int head = item.kv_head * p.group + hh;
+      for (int m = first_query_tile(item.key_block, kCausal); m < tiles; ++m, ++step) {
+        const int m0 = m * kBlockM;
+        sm.q_pipe.consumer_wait(q_state);
+        const QueryRows& rows = sm.rows[q_state.index];
+        float s[kTileRegs], dp[kTileRegs];
+        issue_score_products<kScore>(s, dp, sm, q_state.index, warpgroup);
+
+        KeyOperands ops;
+        float query_max[kThreadQueries];
+        const bool masked =
+            (kCausal && m0 < n0 + kBlockN) || n0 + kBlockN > length || m0 + kBlockM > length;
+        if (masked) {
+          gradient_step<true, kCausal>(s, dp, rows, kr, quad, m0, length, ops, query_max);
+        } else {
+          gradient_step<false, kCausal>(s, dp, rows, kr, quad, m0, length, ops, query_max);
+        }
+        int* row_max = sm.row_max[step % kMaxBuffers];
+        publish_query_max(row_max, query_max, quad);
+
+        const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
+        accumulate_key_product(dv, ops.p, sm.doutt[q_state.index], dv_unit);
+        accumulate_key_product(dk, ops.ds, sm.qt[q_state.index], ops.ds_unit);
+        if (releases) sm.q_pipe.consumer_release(q_state);
+        q_state.advance();
+
+        named_barrier_sync(ConsumerBarrier::kMaxReady, kConsumerThreads);
+        // The buffer of the step before last: read by everyone before this barrier, next filled
+        // two steps on (after the next one).
+        if (warpgroup == 0 && t < kBlockM) sm.row_max[(step + 2) % kMaxBuffers][t] = 0;
+        store_ds_tile(sm.ds, dp, kr, row_max, quad, key_base);
+        fence_async_shared();
+        named_barrier_sync(ConsumerBarrier::kDsReady, kConsumerThreads);
+
+        float dq[kTileRegs];
+        issue_dq_product<kScore>(dq, sm, warpgroup);
+        const DqTarget target{begin, length, m0, head, item.doc, m, item.key_block};
+        add_dq_partial(
+            p, dq, row_max, target, t, warpgroup,
+            warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
+      }
+    }
+    store_key_gradients(p, dk, dv, begin, length, n0 + warpgroup * wgmma::kM, item.kv_head, t);
+    if (releases) sm.kv_pipe.consumer_release(kv_state);
+    kv_state.advance();
+  }
+}
+
+}  // namespace flamia::sm90::bwd

@@ -1,0 +1,137 @@
+// The backward's elementwise stage on a consumer warpgroup's S^T and dP^T accumulators (64 keys x
+// 64 queries; DESIGN §2, §4, the algorithm of flamia/emulator.h):
+//   P_ij   = 2^(S_ij 2^e_k(j) rf_i - LSE_i log2 e)       the forward's exp2 (ex2.approx)
+//   dS_ij  = P_ij (dP_ij 2^e_dO(i) 2^e_v(j) - D_i)
+//   dV's A operand: E4M3(P_ij 2^(e_dO(i) - C + 8))^T      the dO scale folded into P^T
+//   dK's A operand: E4M3(dS_ij 2^e_q(i) / 2^ec_j)^T       ec_j: key j's scale over the tile's rows
+//   dQ's operand:   E4M3(dS_ij 2^e_k(j) / 2^er_i)         er_i: row i's scale over the block's
+//   keys,
+//                                                        reduced across both warpgroups (mainloop)
+// A thread holds keys r and r + 8 of its warp's 16 (rows of S^T) and, per 8 queries, queries 2t and
+// 2t + 1 of its quad; key statistics reduce over the quad.
+#pragma once
+
+#include "bwd_smem.cuh"
+#include "flamia/formats.h"
+#include "fp8_convert.cuh"
+#include "softmax.cuh"
+
+namespace flamia::sm90::bwd {
+
+using fwd::exp2_approx;
+using fwd::quad_max;
+
+constexpr int kKeyRows = 2;                            // keys per thread
+constexpr int kTileRegs = wgmma::acc_regs(kBlockM);    // a warpgroup's 64 keys x 64 queries
+constexpr int kColGroups = kTileRegs / 4;              // 8-query groups: registers 4g..4g+3
+constexpr int kQuerySlices = kBlockM / wgmma::kKE4m3;  // k32 slices of the dV and dK products
+constexpr int kThreadQueries = 2 * kColGroups;         // queries a thread holds
+constexpr float kE4m3Max = 448.0f;
+
+__device__ __forceinline__ int key_half(int i) {
+  return (i >> 1) & 1;
+}
+// The query (column) of register i for a thread of quad position `quad`.
+__device__ __forceinline__ int query_of(int quad, int i) {
+  return wgmma::acc_col(quad, i);
+}
+// The thread's i-th query in its list of kThreadQueries (2 per 8-query group).
+__device__ __forceinline__ int listed_query(int quad, int n) {
+  return 8 * (n >> 1) + 2 * quad + (n & 1);
+}
+
+// A thread's two keys of the block.
+struct KeyRows {
+  float score[kKeyRows];  // 2^e_k: S's column scale (1 when the score product reads BF16 K)
+  float fold[kKeyRows];   // 2^e_k: folded into dS for dQ; 0 past the document
+  float v[kKeyRows];      // 2^e_v: dP's column scale; 0 past the document
+  int key[kKeyRows];      // document-relative key index
+};
+
+// The register A operands of the dV and dK products, and dK's per-key units 2^ec.
+struct KeyOperands {
+  uint32_t p[kQuerySlices][4];
+  uint32_t ds[kQuerySlices][4];
+  float ds_unit[kKeyRows];
+};
+
+// P and dS of one step. On return dp holds dS, ops the packed operands and query_max the thread's
+// |dS 2^e_k| maxima over its two keys for each listed query. kMasked: keys past the document or
+// (causal) after the query, and queries past the document, get P = 0; unmasked tiles lie inside
+// the document.
+template <bool kMasked, bool kCausal>
+__device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)[kTileRegs],
+                                              const QueryRows& rows, const KeyRows& kr, int quad,
+                                              int m0, int length, KeyOperands& ops,
+                                              float (&query_max)[kThreadQueries]) {
+#pragma unroll
+  for (int g = 0; g < kColGroups; ++g) {
+    const int c0 = 8 * g + 2 * quad;
+    const RowTerms t[2] = {rows.terms[c0], rows.terms[c0 + 1]};
+    const float4 f = *reinterpret_cast<const float4*>(&rows.folds[c0]);  // {q, p_fold} x 2
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = 4 * g + k, r = key_half(i), c = k & 1;
+      float p = exp2_approx(fmaf(s[i] * kr.score[r], t[c].rf, -t[c].lse2));
+      if constexpr (kMasked) {
+        const int query = m0 + c0 + c;
+        // The query bound too: with BF16 score operands a row past the document may hold any
+        // value, and P = 0 must not depend on it.
+        const bool visible =
+            kr.key[r] < length && query < length && (!kCausal || kr.key[r] <= query);
+        if (!visible) p = 0.0f;
+      }
+      dp[i] = p * ((dp[i] * t[c].g) * kr.v[r] - t[c].delta);
+      s[i] = p * (c ? f.w : f.y);
+    }
+  }
+  pack_a_fragments<kQuerySlices>(s, ops.p);
+
+  // dK's operand: fold 2^e_q, then the key's scale over the tile's 64 queries.
+  float amax[kKeyRows] = {0.0f, 0.0f};
+#pragma unroll
+  for (int g = 0; g < kColGroups; ++g) {
+    const int c0 = 8 * g + 2 * quad;
+    const float2 q = make_float2(rows.folds[c0].q, rows.folds[c0 + 1].q);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i = 4 * g + k;
+      s[i] = dp[i] * ((k & 1) ? q.y : q.x);
+      amax[key_half(i)] = fmaxf(amax[key_half(i)], fabsf(s[i]));
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kKeyRows; ++r) {
+    const int e = scale_exponent_up(quad_max(amax[r]), kE4m3Max);
+    ops.ds_unit[r] = exp2i(e);
+    amax[r] = exp2i(-e);  // now the inverse unit
+  }
+#pragma unroll
+  for (int i = 0; i < kTileRegs; ++i) s[i] *= amax[key_half(i)];
+  pack_a_fragments<kQuerySlices>(s, ops.ds);
+
+  // dQ's operand needs each query's maximum over all 128 keys: this thread's share.
+#pragma unroll
+  for (int n = 0; n < kThreadQueries; ++n) {
+    const int i0 = 4 * (n >> 1) + (n & 1);  // key r's register of listed query n; key r + 8: +2
+    query_max[n] = fmaxf(fabsf(dp[i0] * kr.fold[0]), fabsf(dp[i0 + 2] * kr.fold[1]));
+  }
+}
+
+// Reduces each listed query's maximum over the warp's 16 keys (the lanes of equal quad position),
+// then lane group l / 4 publishes listed queries l / 4 and l / 4 + 8 to the block-wide maxima
+// (non-negative floats order like their bits as int).
+__device__ __forceinline__ void publish_query_max(int* row_max, float (&query_max)[kThreadQueries],
+                                                  int quad) {
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+  const int group = int(lane_index()) / 4;
+#pragma unroll
+  for (int n = 0; n < kThreadQueries; ++n) {
+#pragma unroll
+    for (int d = 4; d < int(kWarpThreads); d *= 2)
+      query_max[n] = fmaxf(query_max[n], __shfl_xor_sync(kFull, query_max[n], d));
+    if ((n & 7) == group) atomicMax(&row_max[listed_query(quad, n)], __float_as_int(query_max[n]));
+  }
+}
+
+}  // namespace flamia::sm90::bwd

@@ -1,0 +1,317 @@
+// The GPU backward and the training call (flamia/attention_gpu.h) against the CPU emulator run
+// with the kernels' tiles (forward kGpuForwardTiles, backward kGpuBackwardTiles) and against FP64:
+// packed documents of 0..1000 tokens at unaligned offsets, GQA, causal and not, both recipes,
+// normal and heavy-tail inputs; then strided gradients with poisoned gaps, the deterministic
+// mode's reproducibility and prefix isolation, and argument checks.
+//
+// Tolerance (derived; every test prints what it measured as "[measured]" lines):
+//   rel L2(G_gpu - G_emu) <= 0.5 rel L2(G_emu - G_fp64)   for G in dQ, dK, dV
+// The GPU computes the emulator's algorithm and differs from it only by ex2.approx (2 ulp), FP32
+// summation orders, the tensor cores' ~14-bit accumulation of each k32 instruction, and through
+// those the E4M3 roundings of P~, dS~ and the operand scales that land on the other side of a
+// rounding midpoint. The emulator's own error against FP64 contains one full E4M3 rounding of
+// every operand (Q, K, V, dO, P~, dS~): an error that perturbs only the few operands near a
+// midpoint (a fraction f of them moves by one step, rms sqrt(12 f) of a full rounding's) stays
+// well below half of it while f <= ~2%, as in the forward's test (test_gpu_attention_fwd.cu).
+// Structural faults — a dropped or doubled tile, a wrong mask, head, fold or scale — give ratios
+// of order 1 or more. Every gradient element must also be finite.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "device_buffer.h"
+#include "flamia/attention_gpu.h"
+#include "flamia/emulator.h"
+#include "flamia/inputs.h"
+#include "flamia/metrics.h"
+#include "flamia/reference.h"
+#include "gpu_test.h"
+
+namespace flamia {
+namespace {
+
+using cuda::DeviceBuffer;
+
+constexpr int kDim = 128;
+constexpr double kRatioBound = 0.5;  // rel L2 vs the emulator, as a fraction of its own error
+
+// Documents of 0, 1, 31, 33, 127, 129 tokens at unaligned offsets.
+const std::vector<int64_t> kOddDocs = {5, 0, 1, 31, 33, 127, 129, 300};
+
+struct BwdCase {
+  std::string name;
+  std::vector<int64_t> docs;
+  int heads_q = 4, heads_kv = 4;
+  bool causal = true;
+  Recipe recipe = Recipe::kMxfp8;
+  ScalePolicy policy = ScalePolicy::kToken;
+  InputKind inputs = InputKind::kNormal;
+  uint64_t seed = 1;
+};
+
+std::ostream& operator<<(std::ostream& os, const BwdCase& c) {
+  return os << c.name;
+}
+
+GpuAttentionOptions gpu_options(const BwdCase& c) {
+  GpuAttentionOptions o;
+  o.recipe = c.recipe;
+  o.policy = c.policy;
+  o.attention.causal = c.causal;
+  return o;
+}
+
+AttentionBatch make_batch(const BwdCase& c) {
+  InputSpec spec;
+  spec.kind = c.inputs;
+  spec.seed = c.seed;
+  return generate_batch(c.docs, c.heads_q, c.heads_kv, kDim, spec);
+}
+
+bool all_finite(const std::vector<float>& v) {
+  for (float x : v)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
+class GpuAttentionBwd : public ::testing::TestWithParam<BwdCase> {};
+
+TEST_P(GpuAttentionBwd, MatchesEmulatorWithinItsOwnError) {
+  FLAMIA_REQUIRE_GPU();
+  const BwdCase& c = GetParam();
+  const AttentionBatch b = make_batch(c);
+  EmulatorConfig ec;
+  ec.recipe = c.recipe;
+  ec.policy = c.policy;
+  ec.attention.causal = c.causal;
+  ec.forward = kGpuForwardTiles;
+  ec.backward = kGpuBackwardTiles;
+  const AttentionOutputs<float> gpu = training_gpu_to_host(b, gpu_options(c));
+  const AttentionOutputs<float> emu = emulate(b, ec).out;
+  const AttentionOutputs<double> ref = reference_attention(b, AttentionConfig{c.causal});
+  struct Grad {
+    const char* name;
+    const std::vector<float>& gpu;
+    const std::vector<float>& emu;
+    const std::vector<double>& ref;
+  };
+  for (const Grad& g : {Grad{"dQ", gpu.dq, emu.dq, ref.dq}, Grad{"dK", gpu.dk, emu.dk, ref.dk},
+                        Grad{"dV", gpu.dv, emu.dv, ref.dv}}) {
+    ASSERT_EQ(g.gpu.size(), g.emu.size()) << g.name;
+    EXPECT_TRUE(all_finite(g.gpu)) << g.name << " has non-finite elements";
+    const Similarity own = compare(g.emu, g.ref);
+    const Similarity diff = compare(g.gpu, std::vector<double>(g.emu.begin(), g.emu.end()));
+    const Similarity gpu_ref = compare(g.gpu, g.ref);
+    const double ratio = diff.rel_l2 / own.rel_l2;
+    std::cout << "[measured] " << c.name << " " << g.name << ": rel L2 gpu-emu " << diff.rel_l2
+              << ", emu-fp64 " << own.rel_l2 << " (ratio " << ratio << "), cosine gpu-fp64 "
+              << gpu_ref.cosine << ", emu-fp64 " << own.cosine << "\n";
+    EXPECT_LE(ratio, kRatioBound) << g.name;
+  }
+}
+
+std::vector<BwdCase> cases() {
+  std::vector<BwdCase> v;
+  v.push_back({"OddDocsCausal", kOddDocs});
+  v.push_back({"OddDocsNonCausal", kOddDocs, 4, 4, false});
+  v.push_back({"GqaCausal", kOddDocs, 4, 2});
+  v.push_back({"LongDocBlock32", {1000, 77}, 2, 2, true, Recipe::kMxfp8, ScalePolicy::kBlock32});
+  v.push_back({"HeavyTail",
+               {600, 129},
+               2,
+               2,
+               true,
+               Recipe::kMxfp8,
+               ScalePolicy::kToken,
+               InputKind::kHeavyTail});
+  v.push_back({"Qk16OddDocsCausal", kOddDocs, 4, 4, true, Recipe::kMxfp8Qk16});
+  v.push_back({"Qk16GqaNonCausal", kOddDocs, 4, 1, false, Recipe::kMxfp8Qk16});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuAttentionBwd, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// Device-buffer runs of the training call on one layout.
+struct TrainingRun {
+  PackedLayout layout;
+  DeviceBuffer cu, q, k, v, g, o, lse, dq, dk, dv;
+  int64_t dq_stride = 0, kv_stride = 0;  // token strides of the gradients (elements)
+};
+
+// Gradients with token strides one head wider than dense, so every token row has a gap.
+TrainingRun strided_run(const AttentionBatch& b) {
+  TrainingRun r;
+  r.layout = b.layout();
+  const PackedLayout& pl = r.layout;
+  r.cu = DeviceBuffer::upload(b.cu_seqlens);
+  r.q = DeviceBuffer::upload(b.q);
+  r.k = DeviceBuffer::upload(b.k);
+  r.v = DeviceBuffer::upload(b.v);
+  r.g = DeviceBuffer::upload(b.dout);
+  r.o = DeviceBuffer(size_t(pl.tokens) * pl.heads_q * kDim * sizeof(uint16_t));
+  r.lse = DeviceBuffer(size_t(pl.tokens) * pl.heads_q * sizeof(float));
+  r.dq_stride = int64_t(pl.heads_q + 1) * kDim;
+  r.kv_stride = int64_t(pl.heads_kv + 1) * kDim;
+  r.dq = DeviceBuffer(size_t(pl.tokens) * r.dq_stride * sizeof(uint16_t));
+  r.dk = DeviceBuffer(size_t(pl.tokens) * r.kv_stride * sizeof(uint16_t));
+  r.dv = DeviceBuffer(size_t(pl.tokens) * r.kv_stride * sizeof(uint16_t));
+  return r;
+}
+
+void run_training(GpuAttention& attention, TrainingRun& r) {
+  const PackedLayout& pl = r.layout;
+  const DeviceAttentionInputs in =
+      dense_device_inputs(pl, r.cu.get<int32_t>(), r.q.get<uint16_t>(), r.k.get<uint16_t>(),
+                          r.v.get<uint16_t>(), r.g.get<uint16_t>());
+  DeviceAttentionOutputs out;
+  out.o = dense_view<uint16_t>(r.o.get<uint16_t>(), pl.heads_q, kDim);
+  out.lse = r.lse.get<float>();
+  attention.forward(in, out, nullptr);
+  DeviceAttentionGradients grads;
+  grads.dq = {r.dq.get<uint16_t>(), r.dq_stride, kDim};
+  grads.dk = {r.dk.get<uint16_t>(), r.kv_stride, kDim};
+  grads.dv = {r.dv.get<uint16_t>(), r.kv_stride, kDim};
+  attention.backward(in, dense_view<const uint16_t>(r.o.get<uint16_t>(), pl.heads_q, kDim),
+                     r.lse.get<float>(), grads, nullptr);
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+constexpr uint8_t kPoison = 0xA5;
+
+// The strided gradients equal the dense ones of training_gpu_to_host in deterministic mode, and
+// the gap after every token row keeps the poison.
+TEST(GpuAttentionBwdBuffers, StridedGradientsLeaveGapsUntouched) {
+  FLAMIA_REQUIRE_GPU();
+  BwdCase c{"strided", kOddDocs, 4, 2};
+  const AttentionBatch b = make_batch(c);
+  GpuAttentionOptions options = gpu_options(c);
+  options.deterministic = true;
+  const AttentionOutputs<float> dense = training_gpu_to_host(b, options);
+  TrainingRun r = strided_run(b);
+  for (DeviceBuffer* buf : {&r.dq, &r.dk, &r.dv})
+    FLAMIA_CUDA_CHECK(cudaMemset(buf->get(), kPoison, buf->bytes()));
+  GpuAttention attention(r.layout, options);
+  run_training(attention, r);
+  struct Out {
+    const char* name;
+    const DeviceBuffer& buf;
+    int heads;
+    int64_t stride;
+    const std::vector<float>& dense;
+  };
+  const PackedLayout& pl = r.layout;
+  for (const Out& o : {Out{"dQ", r.dq, pl.heads_q, r.dq_stride, dense.dq},
+                       Out{"dK", r.dk, pl.heads_kv, r.kv_stride, dense.dk},
+                       Out{"dV", r.dv, pl.heads_kv, r.kv_stride, dense.dv}}) {
+    const std::vector<uint16_t> bits = o.buf.download<uint16_t>();
+    int64_t gap_changed = 0, mismatched = 0;
+    for (int64_t t = 0; t < pl.tokens; ++t)
+      for (int64_t e = 0; e < o.stride; ++e) {
+        const uint16_t x = bits[size_t(t * o.stride + e)];
+        if (e >= int64_t(o.heads) * kDim) {
+          gap_changed += x != uint16_t(kPoison | kPoison << 8);
+        } else {
+          const float want = o.dense[size_t(t * o.heads * kDim + e)];
+          mismatched += !(bf16::decode(x) == want);
+        }
+      }
+    EXPECT_EQ(gap_changed, 0) << o.name << ": the gaps between token rows were written";
+    EXPECT_EQ(mismatched, 0) << o.name << ": strided gradients differ from the dense ones";
+  }
+}
+
+std::vector<uint16_t> download_dq(const TrainingRun& r) {
+  return r.dq.download<uint16_t>();
+}
+
+// Deterministic mode: dQ is bitwise equal run to run, and a prefix's dQ (with its O and LSE) is
+// bitwise unchanged when the document's later K, V and dO rows and the other document change.
+// Atomic mode: the run-to-run spread is reported.
+TEST(GpuAttentionBwdBuffers, DeterministicDqIsReproducibleAndPrefixIsolated) {
+  FLAMIA_REQUIRE_GPU();
+  BwdCase c{"probe", {700, 300}, 2, 2};
+  const AttentionBatch b = make_batch(c);
+  constexpr int64_t kPrefix = 333;  // rows 0..kPrefix-1 of document 0 keep their dQ
+  AttentionBatch changed = b;
+  std::mt19937 rng(5);
+  for (std::vector<uint16_t>* t : {&changed.k, &changed.v, &changed.dout}) {
+    const int heads = t == &changed.dout ? b.heads_q : b.heads_kv;
+    for (int64_t tok = kPrefix; tok < b.tokens; ++tok)
+      for (int e = 0; e < heads * kDim; ++e)
+        (*t)[size_t(tok * heads * kDim + e)] =
+            bf16::encode(float(std::normal_distribution<double>(0.0, 3.0)(rng)));
+  }
+  for (bool deterministic : {true, false}) {
+    GpuAttentionOptions options = gpu_options(c);
+    options.deterministic = deterministic;
+    TrainingRun r = strided_run(b), r2 = strided_run(b), rc = strided_run(changed);
+    GpuAttention a1(r.layout, options), a2(r.layout, options), ac(r.layout, options);
+    run_training(a1, r);
+    run_training(a2, r2);
+    run_training(ac, rc);
+    const std::vector<uint16_t> d1 = download_dq(r), d2 = download_dq(r2), dc = download_dq(rc);
+    int64_t run_diff = 0, prefix_diff = 0;
+    for (size_t i = 0; i < d1.size(); ++i) run_diff += d1[i] != d2[i];
+    const size_t prefix_elems = size_t(kPrefix * r.dq_stride);
+    for (size_t i = 0; i < prefix_elems; ++i) prefix_diff += d1[i] != dc[i];
+    std::cout << "[measured] " << (deterministic ? "deterministic" : "atomic")
+              << " dQ: elements differing run to run " << run_diff << " of " << d1.size()
+              << "; prefix elements changed by the suffix " << prefix_diff << "\n";
+    if (deterministic) {
+      EXPECT_EQ(run_diff, 0);
+      EXPECT_EQ(prefix_diff, 0);
+    }
+  }
+}
+
+TEST(GpuAttentionBwdBuffers, RejectsBadArguments) {
+  FLAMIA_REQUIRE_GPU();
+  BwdCase c{"args", {40, 9}, 2, 2};
+  const AttentionBatch b = make_batch(c);
+  TrainingRun r = strided_run(b);
+  GpuAttention attention(r.layout, gpu_options(c));
+  const PackedLayout& pl = r.layout;
+  const DeviceAttentionInputs in =
+      dense_device_inputs(pl, r.cu.get<int32_t>(), r.q.get<uint16_t>(), r.k.get<uint16_t>(),
+                          r.v.get<uint16_t>(), r.g.get<uint16_t>());
+  const TokenTensor<const uint16_t> o =
+      dense_view<const uint16_t>(r.o.get<uint16_t>(), pl.heads_q, kDim);
+  DeviceAttentionGradients grads;
+  grads.dq = {r.dq.get<uint16_t>(), r.dq_stride, kDim};
+  grads.dk = {r.dk.get<uint16_t>(), r.kv_stride, kDim};
+  grads.dv = {r.dv.get<uint16_t>(), r.kv_stride, kDim};
+  test::expect_error([&] { attention.backward(in, o, r.lse.get<float>(), grads, nullptr); },
+                     "BF16 forward");
+  DeviceAttentionOutputs out;
+  out.o = dense_view<uint16_t>(r.o.get<uint16_t>(), pl.heads_q, kDim);
+  out.lse = r.lse.get<float>();
+  attention.forward(in, out, nullptr);
+  DeviceAttentionGradients bad = grads;
+  bad.dk.data = nullptr;
+  test::expect_error([&] { attention.backward(in, o, r.lse.get<float>(), bad, nullptr); }, "dK");
+  bad = grads;
+  bad.dq.stride_token += 1;
+  test::expect_error([&] { attention.backward(in, o, r.lse.get<float>(), bad, nullptr); }, "dQ");
+  DeviceAttentionInputs no_dout = in;
+  no_dout.dout = {};
+  test::expect_error([&] { attention.backward(no_dout, o, r.lse.get<float>(), grads, nullptr); },
+                     "dO");
+  test::expect_error([&] { attention.backward(in, o, nullptr, grads, nullptr); }, "LSE");
+  GpuAttentionOptions rotated = gpu_options(c);
+  rotated.hadamard = true;
+  GpuAttention with_rotation(r.layout, rotated);
+  with_rotation.forward(in, out, nullptr);
+  test::expect_error([&] { with_rotation.backward(in, o, r.lse.get<float>(), grads, nullptr); },
+                     "Hadamard");
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace
+}  // namespace flamia
