@@ -69,17 +69,18 @@ struct OperandArgs {
   uint8_t* nv_scales = nullptr;
   uint8_t* nv_exponents = nullptr;
   int first_tile = 0;  // this operand's tiles are [first_tile, next operand's first_tile)
+  int slot = 0;        // its Operand index in the status array (ops holds present operands only)
 };
 
 struct KernelArgs {
-  OperandArgs ops[kNumOperands];
+  OperandArgs ops[kNumOperands];  // the present operands, in Operand order
   int num_ops = 0;
   int64_t tokens = 0, tokens_padded = 0;
   int64_t tokens_t = 0;                 // codes_t's row length (QuantLayout::tokens_t)
   const int32_t* cu_seqlens = nullptr;  // device
   int num_docs = 0;
   unsigned long long* non_finite = nullptr;  // [kNumOperands]
-  unsigned* tensor_amax = nullptr;           // [kNumOperands] float bits, tensor policy only
+  unsigned* tensor_amax = nullptr;           // [num_ops] float bits, like ops; tensor policy only
   bool amax_only = false;                    // the tensor policy's first launch
 };
 
@@ -659,7 +660,7 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
     for (int p = 0; p < G::kPasses; ++p)
       for (int r = 0; r < kQuadTokens; ++r) {
         const int t = t0 + tile_token(p, r);
-        if (t < t_end) report_non_finite<kDim>(op, a.non_finite + opi, t, h, c);
+        if (t < t_end) report_non_finite<kDim>(op, a.non_finite + op.slot, t, h, c);
       }
   }
   // The rotated instantiation keeps the rotated values of both passes (the rotation costs more
