@@ -19,6 +19,13 @@ double unit_open(uint64_t h) {
 
 enum Stream : uint64_t { kStreamQ = 1, kStreamK, kStreamV, kStreamDO, kStreamRowScale = 16 };
 
+// Q, K and V are always present: with no tokens their vectors are empty and data() may be null,
+// which the quantizers read as a skipped operand, so such a view points here (nothing is read).
+const uint16_t* present_data(const std::vector<uint16_t>& x) {
+  static const uint16_t kNoTokens = 0;
+  return x.empty() ? &kNoTokens : x.data();
+}
+
 }  // namespace
 
 const char* to_string(InputKind k) {
@@ -52,9 +59,9 @@ PackedLayout AttentionBatch::layout() const {
 AttentionInputs AttentionBatch::inputs() const {
   AttentionInputs in;
   in.layout = layout();
-  in.q = dense_view<const uint16_t>(q.data(), heads_q, head_dim);
-  in.k = dense_view<const uint16_t>(k.data(), heads_kv, head_dim);
-  in.v = dense_view<const uint16_t>(v.data(), heads_kv, head_dim);
+  in.q = dense_view<const uint16_t>(present_data(q), heads_q, head_dim);
+  in.k = dense_view<const uint16_t>(present_data(k), heads_kv, head_dim);
+  in.v = dense_view<const uint16_t>(present_data(v), heads_kv, head_dim);
   in.dout = dense_view<const uint16_t>(dout.empty() ? nullptr : dout.data(), heads_q, head_dim);
   return in;
 }

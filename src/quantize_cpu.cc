@@ -305,27 +305,28 @@ Nvfp4Operand quantize_nvfp4(const RowReader& reader, const PackedLayout& pl, int
 QuantizedAttention quantize_cpu(const AttentionInputs& in, const QuantizeOptions& options) {
   const PackedLayout& pl = in.layout;
   validate(pl);
-  validate_view("Q", in.q, pl.tokens, pl.heads_q, pl.head_dim);
-  validate_view("K", in.k, pl.tokens, pl.heads_kv, pl.head_dim);
-  validate_view("V", in.v, pl.tokens, pl.heads_kv, pl.head_dim);
-  if (in.dout.data != nullptr) validate_view("dO", in.dout, pl.tokens, pl.heads_q, pl.head_dim);
+  const std::array<bool, kNumOperands> present = present_operands(in);
+  constexpr Operand kAll[] = {Operand::kQ, Operand::kK, Operand::kV, Operand::kDO};
+  for (Operand op : kAll)
+    if (present[int(op)])
+      validate_view(to_string(op), operand_input(in, op), pl.tokens, operand_heads(pl, op),
+                    pl.head_dim);
 
   QuantizedAttention out;
-  auto run = [&](Operand op, TokenTensor<const uint16_t> view, int heads, E4M3Operand* dst) {
+  E4M3Operand* const dst[kNumOperands] = {&out.q, &out.k, &out.v, &out.dout};
+  for (Operand op : kAll) {
+    if (!present[int(op)]) continue;
     const bool rotate = options.hadamard && (op == Operand::kQ || op == Operand::kK);
-    RowReader reader{view, pl.head_dim, rotate};
-    *dst = quantize_e4m3(reader, pl, heads, effective_policy(options.policy, op),
-                         options.transposed, &out.non_finite.first_index[int(op)]);
-    out.non_finite.layouts[int(op)] = dst->layout;
-  };
-  run(Operand::kQ, in.q, pl.heads_q, &out.q);
-  run(Operand::kK, in.k, pl.heads_kv, &out.k);
-  run(Operand::kV, in.v, pl.heads_kv, &out.v);
-  if (in.dout.data != nullptr) run(Operand::kDO, in.dout, pl.heads_q, &out.dout);
-  if (options.nvfp4_qk) {
-    out.q4 = quantize_nvfp4(RowReader{in.q, pl.head_dim, options.hadamard}, pl, pl.heads_q);
-    out.k4 = quantize_nvfp4(RowReader{in.k, pl.head_dim, options.hadamard}, pl, pl.heads_kv);
+    RowReader reader{operand_input(in, op), pl.head_dim, rotate};
+    *dst[int(op)] =
+        quantize_e4m3(reader, pl, operand_heads(pl, op), effective_policy(options.policy, op),
+                      options.transposed, &out.non_finite.first_index[int(op)]);
+    out.non_finite.layouts[int(op)] = dst[int(op)]->layout;
   }
+  if (options.nvfp4_qk && present[int(Operand::kQ)])
+    out.q4 = quantize_nvfp4(RowReader{in.q, pl.head_dim, options.hadamard}, pl, pl.heads_q);
+  if (options.nvfp4_qk && present[int(Operand::kK)])
+    out.k4 = quantize_nvfp4(RowReader{in.k, pl.head_dim, options.hadamard}, pl, pl.heads_kv);
   return out;
 }
 

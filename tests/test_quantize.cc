@@ -338,7 +338,7 @@ TEST(QuantizeTransposed, TokenPositionsAreABijectionAndEveryOtherPositionIsZero)
     opt.policy = ScalePolicy::kBlock32;
     const QuantizedAttention qa = quantize_cpu(b.inputs(), opt);
     for (Operand op : {Operand::kQ, Operand::kK, Operand::kV, Operand::kDO}) {
-      if (op == Operand::kDO && b.tokens == 0) continue;  // empty views: forward only
+      if (op == Operand::kDO && b.tokens == 0) continue;  // an empty batch's dO is null: skipped
       const E4M3Operand& o = qa.operand(op);
       ASSERT_EQ(o.layout.tokens_t, tt);
       ASSERT_EQ(int64_t(o.codes_t.size()), int64_t(o.layout.heads) * 64 * tt);
@@ -458,19 +458,80 @@ TEST(Quantize, RejectsBadLayoutsAndViews) {
   in.layout.cu_seqlens = bad_cu.data();
   EXPECT_THROW(quantize_cpu(in, {}), Error);
   in = b.inputs();
-  in.v.data = nullptr;
+  in.v.stride_head = 1;  // rows overlap
   try {
     quantize_cpu(in, {});
     ADD_FAILURE();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("V is null"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("V has overlapping rows"), std::string::npos) << e.what();
   }
   in = b.inputs();
   in.dout.data = nullptr;  // forward only: fine, dO left empty
   QuantizedAttention fwd = quantize_cpu(in, {});
   EXPECT_TRUE(fwd.dout.codes.empty());
+  in.q.data = in.k.data = in.v.data = nullptr;  // nothing to quantize
+  try {
+    quantize_cpu(in, {});
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no operand to quantize"), std::string::npos) << e.what();
+  }
   EXPECT_THROW(parse_scale_policy("blocks"), Error);
   EXPECT_EQ(parse_scale_policy("vgroup16"), ScalePolicy::kVGroup16);
+}
+
+// The training call's backward quantizes dO alone (Q, K, V come from its forward): a null input
+// skips its operand, and a present operand's arrays are the full quantization's, whatever the
+// policy (tensor maxima included), rotation and NVFP4.
+TEST(Quantize, NullInputsSkipTheirOperands) {
+  AttentionBatch b = generate_batch(kOddDocs, 4, 2, 64, InputSpec{});
+  b.q[(7 * 4 + 2) * 64 + 5] = 0x7FC0;      // NaN in Q: reported only when Q is quantized
+  b.dout[(50 * 4 + 1) * 64 + 3] = 0x7F80;  // +inf in dO
+  const AttentionInputs all = b.inputs();
+  for (ScalePolicy p : kAllScalePolicies) {
+    QuantizeOptions opt;
+    opt.policy = p;
+    opt.hadamard = true;
+    opt.nvfp4_qk = true;
+    const QuantizedAttention full = quantize_cpu(all, opt);
+    ASSERT_GE(full.non_finite.first_index[int(Operand::kQ)], 0);
+    for (Operand only : {Operand::kDO, Operand::kK}) {
+      SCOPED_TRACE(std::string(to_string(p)) + ", " + to_string(only) + " only");
+      AttentionInputs in;
+      in.layout = all.layout;
+      (only == Operand::kK ? in.k : in.dout) = operand_input(all, only);
+      const QuantizedAttention one = quantize_cpu(in, opt);
+      for (Operand op : {Operand::kQ, Operand::kK, Operand::kV, Operand::kDO}) {
+        const E4M3Operand& got = one.operand(op);
+        const int64_t reported = one.non_finite.first_index[int(op)];
+        if (op != only) {
+          EXPECT_TRUE(got.codes.empty() && got.codes_t.empty() && got.exponents.empty() &&
+                      got.channel_exponents.empty())
+              << to_string(op);
+          EXPECT_EQ(reported, -1) << to_string(op);
+          continue;
+        }
+        const E4M3Operand& want = full.operand(op);
+        ASSERT_FALSE(got.codes.empty());
+        EXPECT_EQ(got.layout.tokens_t, want.layout.tokens_t);
+        EXPECT_EQ(got.codes, want.codes);
+        EXPECT_EQ(got.codes_t, want.codes_t);
+        EXPECT_EQ(got.exponents, want.exponents);
+        EXPECT_EQ(got.channel_exponents, want.channel_exponents);
+        EXPECT_EQ(reported, full.non_finite.first_index[int(op)]);
+      }
+      EXPECT_TRUE(one.q4.packed.empty() && one.q4.exponents.empty());
+      if (only == Operand::kK) {
+        EXPECT_EQ(one.k4.packed, full.k4.packed);
+        EXPECT_EQ(one.k4.local_scales, full.k4.local_scales);
+        EXPECT_EQ(one.k4.exponents, full.k4.exponents);
+        EXPECT_FALSE(one.non_finite.any());
+      } else {
+        EXPECT_TRUE(one.k4.packed.empty() && one.k4.exponents.empty());
+        EXPECT_EQ(one.non_finite.message(), "non-finite input in dO at token 50, head 1, dim 3");
+      }
+    }
+  }
 }
 
 TEST(Quantize, ForwardOnlyCanSkipTransposedCopies) {

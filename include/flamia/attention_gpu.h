@@ -67,8 +67,9 @@ class GpuAttention {
   void forward(const DeviceAttentionInputs& in, const DeviceQuantizedAttention& quant,
                const DeviceAttentionOutputs& out, cudaStream_t stream) const;
 
-  // Forward from BF16 inputs: quantizes into owned buffers, then runs the kernel. Non-finite
-  // inputs are reported by quantizer_status() (they are zeroed, never spread across the masks).
+  // Forward from BF16 inputs (Q, K, V non-null; dO ignored): quantizes into owned buffers, then
+  // runs the kernel. Non-finite inputs are reported by quantizer_status() (they are zeroed, never
+  // spread across the masks).
   void forward(const DeviceAttentionInputs& in, const DeviceAttentionOutputs& out,
                cudaStream_t stream);
 

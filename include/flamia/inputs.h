@@ -36,7 +36,9 @@ struct AttentionBatch {
   std::vector<uint16_t> q, k, v, dout;
 
   PackedLayout layout() const;
-  AttentionInputs inputs() const;  // views into this batch (dout included)
+  // Views into this batch: Q, K and V always present (non-null, even with no tokens), dO when
+  // the batch has one (an empty dout, as with no tokens, is skipped by the quantizers).
+  AttentionInputs inputs() const;
 };
 
 AttentionBatch generate_batch(const std::vector<int64_t>& doc_lengths, int heads_q, int heads_kv,

@@ -183,11 +183,49 @@ struct QuantizeOptions {
   bool nvfp4_qk = false;   // also write NVFP4 Q and K
 };
 
-// BF16 inputs (raw bits). dout.data may be null (forward only): then dout stays empty.
+// BF16 inputs (raw bits). An operand whose data is null is skipped (see quantize_cpu): the
+// forward passes no dO, the training call's backward passes dO alone (Q, K, V were quantized by
+// its forward). With no tokens nothing is read, but a present operand still needs a non-null
+// pointer: its codes_t (all padding) is written.
 struct AttentionInputs {
   PackedLayout layout;
   TokenTensor<const uint16_t> q, k, v, dout;
 };
+
+// Operand op's input in an AttentionInputs or a DeviceAttentionInputs (quantize_gpu.h).
+template <typename Inputs>
+const TokenTensor<const uint16_t>& operand_input(const Inputs& in, Operand op) {
+  switch (op) {
+    case Operand::kQ:
+      return in.q;
+    case Operand::kK:
+      return in.k;
+    case Operand::kV:
+      return in.v;
+    case Operand::kDO:
+      break;
+  }
+  return in.dout;
+}
+
+// Operand op's head count: Q and dO have the query heads, K and V the key/value heads.
+inline int operand_heads(const PackedLayout& layout, Operand op) {
+  return op == Operand::kQ || op == Operand::kDO ? layout.heads_q : layout.heads_kv;
+}
+
+// The operands a quantizer call writes, in Operand order: those whose input data is non-null.
+// Throws Error when there is none.
+template <typename Inputs>
+std::array<bool, kNumOperands> present_operands(const Inputs& in) {
+  std::array<bool, kNumOperands> present{};
+  bool any = false;
+  for (int op = 0; op < kNumOperands; ++op) {
+    present[op] = operand_input(in, Operand(op)).data != nullptr;
+    any = any || present[op];
+  }
+  if (!any) throw Error("no operand to quantize: the Q, K, V and dO inputs are all null");
+  return present;
+}
 
 struct QuantizedAttention {
   E4M3Operand q, k, v, dout;
@@ -197,9 +235,12 @@ struct QuantizedAttention {
   const E4M3Operand& operand(Operand op) const;
 };
 
-// Validates the layout and views (throws Error), then quantizes. Non-finite inputs do not throw:
-// they are reported in non_finite, counted as 0 in every scale, and written as code 0, so they
-// cannot reach other tokens through a scale or a masked MMA lane.
+// Validates the layout and the present operands' views (throws Error), then quantizes those
+// operands. An operand whose input data is null is skipped: its arrays (and NVFP4 Q's or K's) stay
+// empty, its non_finite entry is -1; at least one operand must be present (Error otherwise). Every
+// scale is per operand, so a present operand's arrays are the same whichever others are present.
+// Non-finite inputs do not throw: they are reported in non_finite, counted as 0 in every scale,
+// and written as code 0, so they cannot reach other tokens through a scale or a masked MMA lane.
 QuantizedAttention quantize_cpu(const AttentionInputs& in, const QuantizeOptions& options);
 
 // The scale geometry of `policy` for operand `op` (vgroup16 changes V only).

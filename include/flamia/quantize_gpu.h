@@ -1,10 +1,11 @@
 // The fused GPU quantizer (DESIGN §3, §6): writes exactly the bytes of quantize_cpu (the oracle in
 // flamia/quantize.h, whose header comment defines every layout below) into device buffers.
 //
-// One launch quantizes Q, K, V and dO (when given) under any scale policy, with the optional
-// Hadamard rotation and NVFP4 Q/K; the `tensor` policy adds one launch before it for the tensor
-// maxima. quantize_gpu validates on the host, then only enqueues work on `stream`: it never
-// synchronises with the host.
+// One launch quantizes the present operands of Q, K, V and dO (those whose input pointer is
+// non-null: the forward passes Q, K and V, the training call's backward dO alone) under any scale
+// policy, with the optional Hadamard rotation and NVFP4 Q/K; the `tensor` policy adds one launch
+// before it for the tensor maxima (of the present operands only). quantize_gpu validates on the
+// host, then only enqueues work on `stream`: it never synchronises with the host.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -34,20 +35,24 @@ struct DeviceNvfp4Operand {
 };
 
 struct DeviceQuantizedAttention {
-  DeviceE4M3Operand q, k, v, dout;  // dout unused when the inputs have no dO
+  // A skipped operand's arrays (and q4's without Q, k4's without K) may be null; if not, they are
+  // left untouched, not even zeroed.
+  DeviceE4M3Operand q, k, v, dout;
   DeviceNvfp4Operand q4, k4;
   // [kNumOperands], Q, K, V, dO order: NonFiniteReport::first_index (flat index of the first
-  // non-finite input element, -1 if none). Reset by every call, then filled by the kernel.
+  // non-finite input element, -1 if none, -1 for a skipped operand). Reset by every call, then
+  // filled by the kernel.
   int64_t* non_finite_first = nullptr;
 };
 
 struct DeviceAttentionInputs {
   PackedLayout layout;                  // layout.cu_seqlens is host memory (validated on the host)
   const int32_t* cu_seqlens = nullptr;  // the same num_docs + 1 offsets in device memory
-  TokenTensor<const uint16_t> q, k, v, dout;  // device BF16 bits; dout.data null: forward only
+  // Device BF16 bits; an operand whose data is null is skipped (at least one must be present).
+  TokenTensor<const uint16_t> q, k, v, dout;
 };
 
-// Inputs over dense [T][H][D] device buffers (`dout` null: forward only).
+// Inputs over dense [T][H][D] device buffers (a null buffer: that operand is skipped).
 inline DeviceAttentionInputs dense_device_inputs(const PackedLayout& layout,
                                                  const int32_t* cu_seqlens, const uint16_t* q,
                                                  const uint16_t* k, const uint16_t* v,
@@ -66,12 +71,16 @@ inline DeviceAttentionInputs dense_device_inputs(const PackedLayout& layout,
 // be multiples of kDeviceAlignment bytes too. cudaMalloc's allocations satisfy it.
 constexpr int kDeviceAlignment = 16;
 
-// Throws flamia::Error (layout, views, null or misaligned pointers) before enqueuing anything.
+// Quantizes the present operands, writing exactly what quantize_cpu writes for them; a skipped
+// operand's outputs are neither read, checked nor written. Throws flamia::Error (layout, the
+// present operands' views, null or misaligned pointers, no operand present) before enqueuing
+// anything.
 void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& options,
                   const DeviceQuantizedAttention& out, cudaStream_t stream);
 
 // For tests and tools: uploads host inputs (any valid strides), quantizes on the current device,
-// and returns the result in quantize_cpu's form (non_finite filled). Synchronises.
+// and returns the result in quantize_cpu's form (non_finite filled; skipped operands empty).
+// Synchronises.
 QuantizedAttention quantize_gpu_to_host(const AttentionInputs& host_inputs,
                                         const QuantizeOptions& options);
 

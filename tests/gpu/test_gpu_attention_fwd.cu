@@ -766,6 +766,9 @@ TEST(GpuAttentionFwd, RejectsBadArgumentsBeforeEnqueuing) {
     x.q.data = nullptr;
     expect_error(tag + "null Q", bf16_call(x, out.out), {"Q"});
     x = in.in;
+    x.v.data = nullptr;  // the quantizer would skip it: the forward must refuse
+    expect_error(tag + "null V", bf16_call(x, out.out), {"V", "null"});
+    x = in.in;
     x.k.data = in.in.k.data + 1;
     expect_error(tag + "misaligned K", bf16_call(x, out.out), {"K"});
 

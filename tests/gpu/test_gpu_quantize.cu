@@ -1,7 +1,7 @@
 // The fused GPU quantizer against its oracle, quantize_cpu: every output byte, the padding and the
 // non-finite report, on packed documents at unaligned offsets, for every policy, rotation, head
-// dim and NVFP4, with poisoned outputs and strided inputs; plus the hardware E4M3 conversion
-// against e4m3::encode on every float, and the argument checks.
+// dim and NVFP4, with poisoned outputs and strided inputs, and with operands skipped (null inputs);
+// plus the hardware E4M3 conversion against e4m3::encode on every float, and the argument checks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -186,8 +186,8 @@ struct DeviceInputs {
   }
 };
 
-// `backward`: quantize dO too, when the batch has one (an empty batch's views are null, which
-// quantize_cpu reads as forward only).
+// `backward`: quantize dO too, when the batch has one (an empty batch's dO view is null, which
+// skips dO).
 QuantizedAttention run_gpu(const AttentionBatch& b, const QuantizeOptions& opt,
                            Arrangement arr = Arrangement::kDense, bool with_dout = true,
                            uint8_t poison = kPoison) {
@@ -401,6 +401,12 @@ TEST(GpuQuantize, HostConvenienceForwardOnlyAndNoTransposedCopies) {
   const QuantizedAttention fwd = quantize_gpu_to_host(forward_only(b), opt);
   EXPECT_TRUE(fwd.dout.codes.empty());
   expect_same(quantize_cpu(forward_only(b), opt), fwd);
+  AttentionInputs dout_only;  // the backward's call: skipped operands come back empty
+  dout_only.layout = b.layout();
+  dout_only.dout = b.inputs().dout;
+  const QuantizedAttention bwd = quantize_gpu_to_host(dout_only, opt);
+  EXPECT_TRUE(bwd.q.codes.empty() && bwd.v.codes_t.empty());
+  expect_same(quantize_cpu(dout_only, opt), bwd);
   opt.transposed = false;
   const QuantizedAttention no_t = run_gpu(b, opt, Arrangement::kDense, false);
   EXPECT_TRUE(no_t.q.codes_t.empty());
@@ -487,8 +493,8 @@ TEST(GpuQuantize, RejectsBadArguments) {
   in.layout.head_dim = 96;
   expect_error(run(in, out, opt), "head_dim");
   in = good.in;
-  in.v.data = nullptr;
-  expect_error(run(in, out, opt), "V is null");
+  in.q.data = in.k.data = in.v.data = in.dout.data = nullptr;
+  expect_error(run(in, out, opt), "no operand to quantize");
   in = good.in;
   in.cu_seqlens = nullptr;
   expect_error(run(in, out, opt), "device cu_seqlens is null");
@@ -526,7 +532,86 @@ TEST(GpuQuantize, RejectsBadArguments) {
   QuantizeOptions lean;
   lean.transposed = false;
   EXPECT_NO_THROW(run(good.in, o, lean)());
+  // Nor a skipped operand's outputs: dO alone (token policy, no NVFP4 for dO) needs dO's arrays.
+  o = DeviceQuantizedAttention{};
+  o.dout = out.dout;
+  o.non_finite_first = out.non_finite_first;
+  in = good.in;
+  in.q.data = in.k.data = in.v.data = nullptr;
+  EXPECT_NO_THROW(run(in, o, opt)());
   FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// The training call's backward quantizes dO alone (Q, K, V come from its forward); K alone covers
+// NVFP4 K without Q. A skipped operand's outputs keep their poison byte for byte (not even
+// zeroed), its status entry is -1 (the NaN planted in Q is not reported), and the present
+// operand's outputs equal quantize_cpu's, under the tensor policy too (its maxima launch covers
+// the present operand only). Odd documents at unaligned offsets make tiles share codes_t chunks.
+TEST(GpuQuantize, NullInputsLeaveTheirOutputsUntouched) {
+  FLAMIA_REQUIRE_GPU();
+  const std::vector<int64_t> docs = {3, 1, 31, 0, 33, 127, 129, 5};
+  for (const int dim : {64, 128}) {
+    AttentionBatch b = make_batch(docs, dim, 60 + dim, false);
+    row(b, Operand::kQ, 40, 1)[3] = kBf16NaN;
+    const DeviceInputs device(b, Arrangement::kDense, true);
+    for (const Operand only : {Operand::kDO, Operand::kK}) {
+      for (ScalePolicy p : {ScalePolicy::kToken, ScalePolicy::kBlock32, ScalePolicy::kTensor,
+                            ScalePolicy::kVGroup16}) {
+        SCOPED_TRACE("dim " + std::to_string(dim) + ", " + to_string(only) + " only, " +
+                     to_string(p));
+        QuantizeOptions opt;
+        opt.policy = p;
+        opt.hadamard = true;
+        opt.nvfp4_qk = true;
+        AttentionInputs host;
+        host.layout = b.layout();
+        (only == Operand::kK ? host.k : host.dout) = operand_input(b.inputs(), only);
+        DeviceAttentionInputs in;
+        in.layout = device.in.layout;
+        in.cu_seqlens = device.in.cu_seqlens;
+        (only == Operand::kK ? in.k : in.dout) = operand_input(device.in, only);
+
+        const QuantizeOutputs out(b.layout(), opt, true);
+        out.fill(kPoison);
+        quantize_gpu(in, opt, out.view(), nullptr);
+        FLAMIA_CUDA_CHECK(cudaGetLastError());
+        FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+        const QuantizedAttention gpu = out.download(), cpu = quantize_cpu(host, opt);
+
+        auto expect_poison = [](const std::vector<uint8_t>& bytes, const std::string& what) {
+          EXPECT_EQ(std::count(bytes.begin(), bytes.end(), kPoison), std::ptrdiff_t(bytes.size()))
+              << what << " was written";
+        };
+        for (Operand op : {Operand::kQ, Operand::kK, Operand::kV, Operand::kDO}) {
+          const std::string name = to_string(op);
+          const E4M3Operand &w = cpu.operand(op), &g = gpu.operand(op);
+          ASSERT_FALSE(g.codes.empty()) << name;
+          if (op == only) {
+            expect_bytes(w.codes, g.codes, name + " codes");
+            expect_bytes(w.codes_t, g.codes_t, name + " codes_t");
+            expect_bytes(w.exponents, g.exponents, name + " exponents");
+            expect_bytes(w.channel_exponents, g.channel_exponents, name + " channel_exponents");
+          } else {
+            for (const auto* a : {&g.codes, &g.codes_t, &g.exponents, &g.channel_exponents})
+              expect_poison(*a, name);
+          }
+          EXPECT_EQ(gpu.non_finite.first_index[int(op)], cpu.non_finite.first_index[int(op)])
+              << name;
+        }
+        EXPECT_EQ(cpu.non_finite.first_index[int(Operand::kQ)], -1);
+        for (const auto* a : {&gpu.q4.packed, &gpu.q4.local_scales, &gpu.q4.exponents})
+          expect_poison(*a, "Q4");
+        if (only == Operand::kK) {
+          expect_bytes(cpu.k4.packed, gpu.k4.packed, "K4 packed");
+          expect_bytes(cpu.k4.local_scales, gpu.k4.local_scales, "K4 local_scales");
+          expect_bytes(cpu.k4.exponents, gpu.k4.exponents, "K4 exponents");
+        } else {
+          for (const auto* a : {&gpu.k4.packed, &gpu.k4.local_scales, &gpu.k4.exponents})
+            expect_poison(*a, "K4");
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // launch (flamia/attention_gpu.h).
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_internal.h"
@@ -152,6 +153,10 @@ void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceAttentio
   Impl& m = *impl_;
   if (in.layout.cu_seqlens == nullptr || !same_layout(in.layout, m.layout))
     reject("the inputs' layout differs from the one this GpuAttention was built for");
+  // quantize_gpu skips a null operand, which would leave the forward reading stale codes.
+  for (const auto& [name, view] :
+       {std::make_pair("Q", &in.q), std::make_pair("K", &in.k), std::make_pair("V", &in.v)})
+    if (view->data == nullptr) reject(std::string(name) + " is null: the forward reads Q, K and V");
   const QuantizeOptions qo = m.quantize_options();
   if (!m.quant) m.quant = std::make_unique<cuda::QuantizeOutputs>(m.layout, qo, true);
   DeviceAttentionInputs forward_inputs = in;

@@ -1,4 +1,5 @@
 // quantize_gpu: host-side validation and the launch of the fused quantizer (quantize_tile.cuh).
+#include <array>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -59,11 +60,7 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
                   const DeviceQuantizedAttention& out, cudaStream_t stream) {
   const PackedLayout& pl = in.layout;
   validate(pl);
-  validate_view("Q", in.q, pl.tokens, pl.heads_q, pl.head_dim);
-  validate_view("K", in.k, pl.tokens, pl.heads_kv, pl.head_dim);
-  validate_view("V", in.v, pl.tokens, pl.heads_kv, pl.head_dim);
-  const bool backward = in.dout.data != nullptr;
-  if (backward) validate_view("dO", in.dout, pl.tokens, pl.heads_q, pl.head_dim);
+  const std::array<bool, kNumOperands> present = present_operands(in);
   if (in.cu_seqlens == nullptr) throw Error("device cu_seqlens is null");
   if (out.non_finite_first == nullptr) throw Error("non_finite_first (the status array) is null");
   if (!is_aligned(out.non_finite_first, sizeof(int64_t)))
@@ -79,11 +76,19 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   };
   const DeviceNvfp4Operand* q4 = options.nvfp4_qk ? &out.q4 : nullptr;
   const DeviceNvfp4Operand* k4 = options.nvfp4_qk ? &out.k4 : nullptr;
-  const Job jobs[kNumOperands] = {{Operand::kQ, "Q", in.q, pl.heads_q, &out.q, q4},
-                                  {Operand::kK, "K", in.k, pl.heads_kv, &out.k, k4},
-                                  {Operand::kV, "V", in.v, pl.heads_kv, &out.v, nullptr},
-                                  {Operand::kDO, "dO", in.dout, pl.heads_q, &out.dout, nullptr}};
-  const int num_ops = backward ? kNumOperands : kNumOperands - 1;
+  const Job all[kNumOperands] = {{Operand::kQ, "Q", in.q, pl.heads_q, &out.q, q4},
+                                 {Operand::kK, "K", in.k, pl.heads_kv, &out.k, k4},
+                                 {Operand::kV, "V", in.v, pl.heads_kv, &out.v, nullptr},
+                                 {Operand::kDO, "dO", in.dout, pl.heads_q, &out.dout, nullptr}};
+  // Only the present operands get tiles (in both launches of the tensor policy); a skipped one's
+  // outputs are neither checked nor touched, and its status entry stays -1.
+  Job jobs[kNumOperands];
+  int num_ops = 0;
+  for (const Job& j : all) {
+    if (!present[int(j.id)]) continue;
+    validate_view(j.name, j.view, pl.tokens, j.heads, pl.head_dim);
+    jobs[num_ops++] = j;
+  }
 
   KernelArgs args;
   args.num_ops = num_ops;
@@ -117,6 +122,7 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
       o.nv_exponents = j.nv->exponents;
     }
     o.first_tile = int(tiles);
+    o.slot = int(j.id);
     tiles += token_tiles * j.heads;
     if (pl.tokens == 0) {  // every array is empty but codes_t, which documents make all padding
       if (options.transposed && layout.tokens_t > 0) require_output(j.name, "codes_t", o.codes_t);

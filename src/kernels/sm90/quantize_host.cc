@@ -1,4 +1,6 @@
 // Host-side companions of quantize_gpu: owning output buffers and quantize_gpu_to_host.
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -125,10 +127,14 @@ NonFiniteReport QuantizeOutputs::non_finite() const {
 
 namespace {
 
-// A dense [tokens][heads][dim] device copy of a host view.
+// A dense [tokens][heads][dim] device copy of a host view; none (a null pointer, the operand
+// skipped) for a null view. Never empty otherwise: with no tokens a present operand still needs a
+// non-null pointer.
 cuda::DeviceBuffer upload_dense(const TokenTensor<const uint16_t>& v, int64_t tokens, int heads,
                                 int dim) {
-  std::vector<uint16_t> dense(size_t(tokens * heads * dim));
+  if (v.data == nullptr) return cuda::DeviceBuffer();
+  constexpr int64_t kMinElems = kDeviceAlignment / int64_t(sizeof(uint16_t));
+  std::vector<uint16_t> dense(size_t(std::max(tokens * heads * dim, kMinElems)));
   for (int64_t t = 0; t < tokens; ++t)
     for (int h = 0; h < heads; ++h)
       std::memcpy(&dense[size_t((t * heads + h) * dim)], &v.at(t, h, 0), dim * sizeof(uint16_t));
@@ -141,11 +147,12 @@ QuantizedAttention quantize_gpu_to_host(const AttentionInputs& host,
                                         const QuantizeOptions& options) {
   const PackedLayout& pl = host.layout;
   validate(pl);
-  validate_view("Q", host.q, pl.tokens, pl.heads_q, pl.head_dim);
-  validate_view("K", host.k, pl.tokens, pl.heads_kv, pl.head_dim);
-  validate_view("V", host.v, pl.tokens, pl.heads_kv, pl.head_dim);
-  const bool backward = host.dout.data != nullptr;
-  if (backward) validate_view("dO", host.dout, pl.tokens, pl.heads_q, pl.head_dim);
+  const std::array<bool, kNumOperands> present = present_operands(host);
+  for (Operand op : {Operand::kQ, Operand::kK, Operand::kV, Operand::kDO})
+    if (present[int(op)])
+      validate_view(to_string(op), operand_input(host, op), pl.tokens, operand_heads(pl, op),
+                    pl.head_dim);
+  const bool backward = present[int(Operand::kDO)];
 
   const int dim = pl.head_dim;
   const cuda::DeviceBuffer cu = cuda::DeviceBuffer::upload(
@@ -153,8 +160,7 @@ QuantizedAttention quantize_gpu_to_host(const AttentionInputs& host,
   const cuda::DeviceBuffer q = upload_dense(host.q, pl.tokens, pl.heads_q, dim);
   const cuda::DeviceBuffer k = upload_dense(host.k, pl.tokens, pl.heads_kv, dim);
   const cuda::DeviceBuffer v = upload_dense(host.v, pl.tokens, pl.heads_kv, dim);
-  const cuda::DeviceBuffer g =
-      backward ? upload_dense(host.dout, pl.tokens, pl.heads_q, dim) : cuda::DeviceBuffer();
+  const cuda::DeviceBuffer g = upload_dense(host.dout, pl.tokens, pl.heads_q, dim);
 
   const DeviceAttentionInputs in =
       dense_device_inputs(pl, cu.get<int32_t>(), q.get<uint16_t>(), k.get<uint16_t>(),
@@ -171,7 +177,18 @@ QuantizedAttention quantize_gpu_to_host(const AttentionInputs& host,
     throw;
   }
   FLAMIA_CUDA_CHECK(cudaStreamDestroy(stream));
-  return out.download();
+  QuantizedAttention r = out.download();
+  // QuantizeOutputs holds Q's, K's and V's arrays whether or not they were quantized; quantize_cpu
+  // leaves a skipped operand empty.
+  E4M3Operand* const e4m3[kNumOperands] = {&r.q, &r.k, &r.v, &r.dout};
+  for (int op = 0; op < kNumOperands; ++op)
+    if (!present[op]) {
+      *e4m3[op] = E4M3Operand{};
+      r.non_finite.layouts[op] = QuantLayout{};
+    }
+  if (!present[int(Operand::kQ)]) r.q4 = Nvfp4Operand{};
+  if (!present[int(Operand::kK)]) r.k4 = Nvfp4Operand{};
+  return r;
 }
 
 }  // namespace flamia

@@ -10,7 +10,11 @@
 // Stages of a tile:
 //   A  load, zero non-finite values (reporting the first one), rotate Q/K when asked (butterflies
 //      across the lanes of a row: the same stages and operations as hadamard.h, so the same bits),
-//      row maxima through shuffles into shared memory;
+//      row maxima through shuffles into shared memory; with a transposed copy, warp 0 finds the
+//      tile's span of codes_t (quantize_geometry.h) while the loads are in flight: one warp-wide
+//      search of cu_seqlens for the document holding the tile's first token (32 documents a
+//      round, none with one document), the window of 32 offsets from it, and the document
+//      holding the token past the tile from that window;
 //   P  block32/floor need the maxima of the document-local 32-token blocks that straddle the tile
 //      edges: the tile reads a halo of up to 31 rows on each side, only as far as the blocks of
 //      its first and last token reach (documents start at arbitrary offsets, so tiles aligned in
@@ -19,20 +23,20 @@
 //      token, channel chunk) reads the whole group, at most 15 rows beyond the tile, and spreads
 //      its exponents. A token's document comes from a binary search in cu_seqlens;
 //   E  one thread per token computes its exponent (every lane of a row doing it costs ~20 % of
-//      the token policy's throughput) and the NVFP4 token exponent, into shared memory; with a
-//      transposed copy, the thread of each token that starts a document-relative 16-token group
-//      (or holds the tile's first token) lists that group (flamia/quantize.h: codes_t's positions),
-//      and two threads find the documents whose trailing gap the tile writes;
+//      the token policy's throughput) and the NVFP4 token exponent, into shared memory; unless the
+//      span is aligned (the tile's tokens are whole 16-aligned groups of one document), one
+//      thread per 16-position chunk of the span computes the chunk's record (its tokens in the
+//      tile) from the window: no read of cu_seqlens unless the tile touches 32 documents;
 //   B  codes (hardware RNE conversion, proven equal to e4m3::encode), NVFP4 nibbles and local
 //      scales, and the transposed words (tile token order) into a swizzled shared tile;
-//   S  codes_t: per listed group and dim, 16 bytes gathered from the shared tile (documents start
-//      at any token, so at any byte), masked to the group's tokens in the tile and permuted into
-//      the group's slot order: one 16-byte store when every token of the group is in the tile
-//      (its zero tail included), else byte stores of the tile's tokens (and of the zero tail when
-//      the tile holds the document's last token); then zero 16-byte stores of the gaps between
-//      documents, each written by the tile holding the token just before the next document's
-//      start (token 0's tile for leading empty documents; quantize_gpu zeroes codes_t when there
-//      are no tokens at all). Then 16-byte stores of the exponent rows, padding tokens included.
+//   S  codes_t, per chunk of the span and dim: an aligned span copies aligned vectors of the
+//      shared tile in slot order (16-byte stores, as when codes_t had no document positions) and
+//      zeroes the gaps after a document ending at the tile's end; another span gathers each
+//      chunk's 16 tokens from the shared tile (documents start at any token, so at any byte),
+//      clears the bytes of other documents and the zero tail, permutes them into slot order and
+//      stores 16 bytes, the gaps between documents included, but for the chunks that straddle the
+//      tile's edges (at most two): the tile's tokens only, as words, halves or bytes. Then
+//      16-byte stores of the exponent rows, padding tokens included.
 // The tensor policy's maxima come from a first launch of this kernel (amax_only).
 #pragma once
 
@@ -42,41 +46,14 @@
 #include "flamia/hadamard.h"
 #include "flamia/quantize.h"
 #include "fp8_convert.cuh"
+#include "quantize_geometry.h"
 
 namespace flamia::sm90::quant {
 
-constexpr int kThreads = 256;
-constexpr int kTileElems = 16384;  // per CTA: 32 KB of BF16 in, codes_t rows of 128 or 256 bytes
-constexpr int kQuadTokens = 4;     // tokens per thread per pass: one word of codes_t
-constexpr int kChunkElems = 8;     // BF16 elements per 16-byte load
-constexpr int kVectorBytes = 16;
-constexpr int kBytesPerWord = 4;
-constexpr int kWarpLanes = 32;
-constexpr int kBlockHalo = kBlockTokens - 1;  // rows a 32-token block reaches past a tile edge
-constexpr int kVGroupBatch = 4;               // rows of a 16-key group loaded at once
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
+constexpr int kVGroupBatch = 4;  // rows of a 16-key group loaded at once
 // CTAs per SM the register budget is sized for: 3 x 32 KB of loads in flight per SM (80
 // registers); the rotated instantiation keeps both passes' floats and gets 128 registers.
 constexpr int kCtasPerSm = 3, kCtasPerSmRotated = 2;
-
-__host__ __device__ constexpr int tile_tokens(int dim) {
-  return kTileElems / dim;
-}
-
-template <int kDim>
-struct Geometry {
-  static constexpr int kTileTokens = tile_tokens(kDim);
-  static constexpr int kLanesPerRow = kDim / kChunkElems;
-  static constexpr int kRowGroups = kThreads / kLanesPerRow;
-  static constexpr int kGroupsPerWarp = kWarpLanes / kLanesPerRow;
-  static constexpr int kTokensPerPass = kRowGroups * kQuadTokens;
-  static constexpr int kPasses = kTileTokens / kTokensPerPass;
-  static constexpr int kTileWords = kTileTokens / kQuadTokens;  // words per codes_t row
-  static constexpr int kHaloIters = (2 * kBlockHalo + kRowGroups - 1) / kRowGroups;
-  static_assert(kPasses >= 1 && kTileTokens % kTokensPerPass == 0, "tile must be whole passes");
-  static_assert(kTileWords % kWarpLanes == 0, "the swizzle spreads one warp over 32 banks");
-  static_assert(kTileTokens <= kThreads, "one thread per token in stage E");
-};
 
 struct OperandArgs {
   const uint16_t* in = nullptr;
@@ -92,17 +69,18 @@ struct OperandArgs {
   uint8_t* nv_scales = nullptr;
   uint8_t* nv_exponents = nullptr;
   int first_tile = 0;  // this operand's tiles are [first_tile, next operand's first_tile)
+  int slot = 0;        // its Operand index in the status array (ops holds present operands only)
 };
 
 struct KernelArgs {
-  OperandArgs ops[kNumOperands];
+  OperandArgs ops[kNumOperands];  // the present operands, in Operand order
   int num_ops = 0;
   int64_t tokens = 0, tokens_padded = 0;
   int64_t tokens_t = 0;                 // codes_t's row length (QuantLayout::tokens_t)
   const int32_t* cu_seqlens = nullptr;  // device
   int num_docs = 0;
   unsigned long long* non_finite = nullptr;  // [kNumOperands]
-  unsigned* tensor_amax = nullptr;           // [kNumOperands] float bits, tensor policy only
+  unsigned* tensor_amax = nullptr;           // [num_ops] float bits, like ops; tensor policy only
   bool amax_only = false;                    // the tensor policy's first launch
 };
 
@@ -117,15 +95,11 @@ struct Smem {
   int group_begin[G::kTileTokens], group_end[G::kTileTokens];  // vgroup16: tokens - t0
   int num_groups;
   int64_t halo_lo, halo_hi;
-  // codes_t's document-relative 16-token groups holding tokens of the tile (stage E lists them,
-  // stage S stores them).
-  struct alignas(kVectorBytes) TransposedGroup {
-    int64_t pos;      // codes_t position of the group's slot 0
-    int first;        // the group's first token - t0 (-15 .. tile - 1)
-    uint32_t bounds;  // TransposedBounds
-  } tgroups[G::kTileTokens];
-  int num_tgroups;
-  int gap_doc_lo, gap_doc_hi;  // documents whose trailing gap the tile zeroes
+  // codes_t: the tile's span and cu_seqlens from its first document (stage A), the records of
+  // its chunks (stage E, unless aligned), read by stage S.
+  TransposedSpan span;
+  int32_t window[kWindowDocs];
+  uint32_t chunk_records[G::kSpanChunks];
 };
 
 // ---- BF16 helpers ---------------------------------------------------------------------------
@@ -165,20 +139,6 @@ __device__ __forceinline__ int find_doc(const int32_t* cu, int num_docs, int64_t
       lo = mid;
     } else {
       hi = mid;
-    }
-  }
-  return lo;
-}
-
-// The smallest b in [0, num_docs) with cu[b + 1] > x, or num_docs if none.
-__device__ __forceinline__ int first_doc_ending_after(const int32_t* cu, int num_docs, int64_t x) {
-  int lo = 0, hi = num_docs;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (__ldg(cu + mid + 1) > x) {
-      hi = mid;
-    } else {
-      lo = mid + 1;
     }
   }
   return lo;
@@ -290,7 +250,6 @@ __host__ __device__ constexpr float e2m1_midpoint(int i) {
   constexpr float kMidpoints[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
   return kMidpoints[i];
 }
-constexpr int kBitsPerByte = 8;
 constexpr uint32_t kByteMask = 0xFF;
 constexpr uint32_t kFloatSignShift = 31;
 // Byte m: e4m3::encode(e2m1::decode(m)) for the magnitudes m = 0..7 (0, 0.5, 1, ..., 6).
@@ -495,19 +454,6 @@ __device__ __forceinline__ void token_exponents(const KernelArgs& a, int opi, Sm
 
 // ---- codes ------------------------------------------------------------------------------------
 
-// Byte permutes that transpose a 4 x 4 byte block held as 4 words (token-major to dim-major).
-constexpr uint32_t kPermInterleaveLow = 0x5140;   // a0 b0 a1 b1
-constexpr uint32_t kPermInterleaveHigh = 0x7362;  // a2 b2 a3 b3
-constexpr uint32_t kPermLowHalves = 0x5410;       // a0 a1 b0 b1 (16-bit halves)
-constexpr uint32_t kPermHighHalves = 0x7632;      // a2 a3 b2 b3
-
-// Word column of codes_t's shared tile: the logical column XOR a per-chunk swizzle, so the 32
-// lanes of a warp (kGroupsPerWarp row groups x kLanesPerRow chunks) write 32 different banks.
-template <int kDim>
-__device__ __forceinline__ int transposed_swizzle(int d) {
-  return (d / kChunkElems) * Geometry<kDim>::kGroupsPerWarp;
-}
-
 // The thread's rows of one pass, quantized: one E4M3 exponent per row (e) or, for vgroup16's V,
 // per element from shared memory; NVFP4 with the rows' token exponent codes (nv); codes to global
 // memory, transposed words to shared memory.
@@ -574,187 +520,101 @@ __device__ __forceinline__ void emit_pass(const OperandArgs& op, Smem<kDim>& sm,
 }
 
 // ---- codes_t ------------------------------------------------------------------------------------
+// The index arithmetic is in quantize_geometry.h; here are the device's lanes, reads and stores.
 
-constexpr int kGroup = kTransposedGroup;
-constexpr uint32_t kBoundBits = 8, kBoundMask = 0xFF;
-
-// A listed group's bytes, in group token indices j = 0..15 (token first + j of the tile): the tile
-// writes tokens [lo, hi) and, when it holds the document's last token, the zero slots of j >= tail
-// (tail = 16: none).
-struct TransposedBounds {
-  int lo, hi, tail;
-  __device__ __forceinline__ static uint32_t pack(int lo, int hi, int tail) {
-    return uint32_t(lo) | uint32_t(hi) << kBoundBits | uint32_t(tail) << (2 * kBoundBits);
+// One warp's lanes for quantize_geometry.h's warp-wide searches (all 32 lanes call).
+struct WarpLanes {
+  int lane;
+  template <typename F>
+  __device__ __forceinline__ int count(F f) const {
+    return __popc(__ballot_sync(kFullMask, f(lane)));
   }
-  __device__ __forceinline__ static TransposedBounds unpack(uint32_t b) {
-    return {int(b & kBoundMask), int((b >> kBoundBits) & kBoundMask), int(b >> (2 * kBoundBits))};
+  template <typename F>
+  __device__ __forceinline__ void each(F f) const {
+    f(lane);
   }
-  // Every slot of the group is this tile's: one 16-byte store.
-  __device__ __forceinline__ bool whole() const { return lo == 0 && (hi == kGroup || tail == hi); }
+  __device__ __forceinline__ void sync() const { __syncwarp(); }
 };
-// A group of 16 tokens all in the tile (then first is in [0, tile - 16]).
-constexpr uint32_t kFullGroupBounds = uint32_t(kGroup) << kBoundBits | uint32_t(kGroup)
-                                                                           << (2 * kBoundBits);
 
-// Stage E, threads 0 .. tile - 1 (whole warps): the groups of the tile into sm.tgroups, in any
-// order (each group writes only its own slots), and the range of documents whose gaps the tile
-// zeroes: those whose end offset cu[b + 1] is in (t0, t_end], and for the first tile those ending
-// at 0 (leading empty documents), i.e. those whose last token, or token 0, is in the tile.
-template <int kDim>
-__device__ __noinline__ void list_transposed_groups(const KernelArgs& a, Smem<kDim>& sm, int t0,
-                                                    int t_end) {
-  const int i = threadIdx.x;
-  const int t = t0 + i;
-  bool head = false;
-  int first = 0;
-  uint32_t bounds = 0;
-  int64_t pos = 0;
-  if (t < t_end) {
-    const int b = find_doc(a.cu_seqlens, a.num_docs, t);
-    const int begin = __ldg(a.cu_seqlens + b), end = __ldg(a.cu_seqlens + b + 1);
-    const int rel = (t - begin) & ~(kGroup - 1);
-    const int g = begin + rel;  // the group's first token
-    head = t == t0 || t == g;
-    if (head) {
-      first = g - t0;
-      const int64_t g_end = int64_t(g) + kGroup;  // no int overflow near the int32 token limit
-      const int hi = int(min(min(g_end, int64_t(end)), int64_t(t_end)) - g);
-      const int tail = end <= t_end && end < g_end ? end - g : kGroup;
-      bounds = TransposedBounds::pack(t - g, hi, tail);
-      pos = transposed_doc_begin(begin, b) + rel;
-    }
+// cu_seqlens[b] for b in [0, num_docs]: the layout's ends (0 and the token count) without a read,
+// so one document reads nothing.
+struct DocOffsets {
+  const int32_t* cu;
+  int num_docs, tokens;
+  __device__ __forceinline__ int operator()(int b) const {
+    return b == 0 ? 0 : b >= num_docs ? tokens : __ldg(cu + b);
   }
-  const unsigned heads = __ballot_sync(kFullMask, head);
-  const int lane = i % kWarpLanes;
-  int base = 0;
-  if (lane == 0 && heads != 0) base = atomicAdd(&sm.num_tgroups, __popc(heads));
-  base = __shfl_sync(kFullMask, base, 0);
-  if (head) {
-    const int slot = base + __popc(heads & ((1u << lane) - 1));
-    sm.tgroups[slot] = {pos, first, bounds};
-  }
-  if (i == 0) sm.gap_doc_lo = t0 == 0 ? 0 : first_doc_ending_after(a.cu_seqlens, a.num_docs, t0);
-  if (i == 1) sm.gap_doc_hi = first_doc_ending_after(a.cu_seqlens, a.num_docs, t_end);
-}
+};
 
-// Bytes x .. 7 of a 64-bit half whose byte 0 is group token `base` (x relative to the group).
-__device__ __forceinline__ uint64_t bytes_from(int x, int base) {
-  const int k = x - base;
-  return k <= 0 ? ~0ull : k >= 8 ? 0ull : ~0ull << (kBitsPerByte * k);
-}
-
-// Slot order (transposed_slot): tokens 0 1 8 9 | 2 3 10 11 | 4 5 12 13 | 6 7 14 15 of the group,
-// from w[q] = tokens 4q .. 4q + 3.
-__device__ __forceinline__ uint4 slot_order(const uint32_t (&w)[kQuadTokens]) {
-  return make_uint4(
-      __byte_perm(w[0], w[2], kPermLowHalves), __byte_perm(w[0], w[2], kPermHighHalves),
-      __byte_perm(w[1], w[3], kPermLowHalves), __byte_perm(w[1], w[3], kPermHighHalves));
-}
-
-// Tokens first .. first + 15 of a row of the shared tile (logical word c at c ^ swizzle) start at
-// byte first & 3 of word first >> 2 (floor: first >= -15).
-__device__ __forceinline__ uint32_t byte_shift(int first) {
-  constexpr uint32_t kIdentity = 0x3210, kShiftOne = 0x1111;
-  return kIdentity + kShiftOne * uint32_t(first & (kBytesPerWord - 1));
-}
-
-// Stage S, a group at a tile edge or a document's last group (out of line: a few per tile and dim
-// unless documents are short):
-// words outside the tile read as 0, bytes of tokens outside [lo, hi) (other documents, other
-// tiles) are cleared; one 16-byte store when the group is whole, else byte stores of the tile's
-// tokens and, when the tile holds the document's end, of the zero tail.
+// cu_seqlens[b] for b >= the span's doc_lo: from the window in shared memory when it holds it.
 template <int kDim>
-__device__ __noinline__ void store_transposed_edge_group(const uint32_t* row, int swizzle,
-                                                         int first, uint32_t packed_bounds,
-                                                         uint8_t* dst) {
+struct WindowOffsets {
+  const Smem<kDim>& sm;
+  DocOffsets global;
+  __device__ __forceinline__ int operator()(int b) const {
+    const int i = b - sm.span.doc_lo;
+    return i < kWindowDocs ? sm.window[i] : global(b);
+  }
+};
+
+// codes_t's rows of one head: rows.storeN(d, p, x) writes N bytes at position p of dim d's row.
+struct TransposedRows {
+  uint8_t* head;  // codes_t's row of dim 0 of the head
+  int64_t row_bytes;
+  __device__ __forceinline__ uint8_t* at(int d, int64_t p) const {
+    return head + int64_t(d) * row_bytes + p;
+  }
+  __device__ __forceinline__ void store16(int d, int64_t p, const uint4& v) const {
+    *reinterpret_cast<uint4*>(at(d, p)) = v;
+  }
+  __device__ __forceinline__ void store4(int d, int64_t p, uint32_t v) const {
+    *reinterpret_cast<uint32_t*>(at(d, p)) = v;
+  }
+  __device__ __forceinline__ void store2(int d, int64_t p, uint16_t v) const {
+    *reinterpret_cast<uint16_t*>(at(d, p)) = v;
+  }
+  __device__ __forceinline__ void store1(int d, int64_t p, uint8_t v) const { *at(d, p) = v; }
+};
+
+// Stage A, warp 0, while the tile's loads are in flight: the span and the window.
+template <int kDim>
+__device__ __forceinline__ void find_transposed_span(const KernelArgs& a, Smem<kDim>& sm, int t0,
+                                                     int t_end) {
+  const WarpLanes lanes{int(threadIdx.x)};
+  const DocOffsets cu{a.cu_seqlens, a.num_docs, int(a.tokens)};
+  const TransposedSpan s =
+      find_span(lanes, cu, sm.window, a.num_docs, int(a.tokens), a.tokens_t, t0, t_end);
+  if (threadIdx.x == 0) sm.span = s;
+}
+
+// Stages E and S of an unaligned span: records of chunks [base, base + kSpanChunks).
+template <int kDim>
+__device__ __forceinline__ void build_transposed_records(const KernelArgs& a, Smem<kDim>& sm,
+                                                         int t0, int t_end, int base) {
+  const WindowOffsets<kDim> at{sm, {a.cu_seqlens, a.num_docs, int(a.tokens)}};
+  build_chunk_table<kDim>(sm.span, at, t0, t_end, base, int(threadIdx.x), sm.chunk_records);
+}
+
+// Stage S: the tile's span of codes_t. An aligned span takes the plain 16-byte copies; another
+// one its chunks' records, in batches of kSpanChunks only when empty documents make it longer.
+template <int kDim>
+__device__ __forceinline__ void store_transposed(const KernelArgs& a, const OperandArgs& op,
+                                                 Smem<kDim>& sm, int h, int t0, int t_end) {
   using G = Geometry<kDim>;
-  const TransposedBounds bounds = TransposedBounds::unpack(packed_bounds);
-  const int word0 = first >> 2;
-  uint32_t u[kQuadTokens + 1];
-#pragma unroll
-  for (int k = 0; k <= kQuadTokens; ++k) {
-    const int col = word0 + k;
-    u[k] = col >= 0 && col < G::kTileWords ? row[col ^ swizzle] : 0u;
-  }
-  const uint32_t shift = byte_shift(first);
-  uint32_t w[kQuadTokens];
-#pragma unroll
-  for (int q = 0; q < kQuadTokens; ++q) w[q] = __byte_perm(u[q], u[q + 1], shift);
-  constexpr int kHalfTokens = kGroup / 2;
-  const uint64_t keep_lo = bytes_from(bounds.lo, 0) & ~bytes_from(bounds.hi, 0);
-  const uint64_t keep_hi = bytes_from(bounds.lo, kHalfTokens) & ~bytes_from(bounds.hi, kHalfTokens);
-  w[0] &= uint32_t(keep_lo);
-  w[1] &= uint32_t(keep_lo >> 32);
-  w[2] &= uint32_t(keep_hi);
-  w[3] &= uint32_t(keep_hi >> 32);
-  if (bounds.whole()) {
-    *reinterpret_cast<uint4*>(dst) = slot_order(w);
+  TransposedRows rows{op.codes_t + int64_t(h) * kDim * a.tokens_t, a.tokens_t};
+  if (sm.span.aligned) {
+    store_aligned_span<kDim>(sm.span, sm.transposed, t_end - t0, int(threadIdx.x), rows);
     return;
   }
-  constexpr uint32_t kAllTokens = (1u << kGroup) - 1;
-  const uint32_t mine = (((1u << bounds.hi) - 1) & ~((1u << bounds.lo) - 1)) |
-                        (kAllTokens & ~((1u << bounds.tail) - 1));
-#pragma unroll
-  for (int j = 0; j < kGroup; ++j)
-    if (mine & (1u << j))
-      dst[transposed_slot(j)] =
-          uint8_t(w[j / kBytesPerWord] >> (kBitsPerByte * (j % kBytesPerWord)));
-}
-
-// Stage S: listed group `gi` of dim d. A group of 16 tokens inside the tile takes one 16-byte
-// store: from one aligned vector of the shared tile when it starts at a multiple of 16 tokens
-// (documents starting 16-aligned), else from five words.
-template <int kDim>
-__device__ __forceinline__ void store_transposed_group(const OperandArgs& op, const Smem<kDim>& sm,
-                                                       int64_t tokens_t, int h, int d, int gi) {
-  const auto group = sm.tgroups[gi];
-  const int first = group.first;
-  const int swizzle = transposed_swizzle<kDim>(d);
-  const uint32_t* row = sm.transposed[d];
-  uint8_t* dst = op.codes_t + (int64_t(h) * kDim + d) * tokens_t + group.pos;
-  if (group.bounds != kFullGroupBounds) {
-    store_transposed_edge_group<kDim>(row, swizzle, first, group.bounds, dst);
-    return;
+  const int chunks = sm.span.chunks;  // CTA-uniform
+  for (int base = 0;;) {
+    store_span_chunks<kDim>(sm.span, sm.chunk_records, sm.transposed, base, int(threadIdx.x), rows);
+    base += G::kSpanChunks;
+    if (base >= chunks) break;
+    __syncthreads();  // the records are read
+    build_transposed_records<kDim>(a, sm, t0, t_end, base);
+    __syncthreads();
   }
-  const int word0 = first >> 2;  // first is in [0, tile - 16]
-  uint32_t w[kQuadTokens];
-  if ((first & (kGroup - 1)) == 0) {
-    // Logical word m of the aligned vector word0 / 4 sits at physical word m ^ (swizzle & 3) of
-    // the aligned vector (word0 ^ (swizzle & ~3)) / 4.
-    constexpr int kWordsPerVector = kVectorBytes / kBytesPerWord;
-    uint4 v = *reinterpret_cast<const uint4*>(&row[word0 ^ (swizzle & ~(kWordsPerVector - 1))]);
-    if (swizzle & 1) v = make_uint4(v.y, v.x, v.w, v.z);
-    if (swizzle & 2) v = make_uint4(v.z, v.w, v.x, v.y);
-    w[0] = v.x;
-    w[1] = v.y;
-    w[2] = v.z;
-    w[3] = v.w;
-  } else {
-    // Word word0 + 4 is read only when first is not a multiple of 4 (it then holds token
-    // first + 15 <= tile - 1), so every word read is inside the tile.
-    uint32_t u[kQuadTokens + 1];
-#pragma unroll
-    for (int k = 0; k < kQuadTokens; ++k) u[k] = row[(word0 + k) ^ swizzle];
-    u[kQuadTokens] = (first & (kBytesPerWord - 1)) != 0 ? row[(word0 + kQuadTokens) ^ swizzle] : 0u;
-    const uint32_t shift = byte_shift(first);
-#pragma unroll
-    for (int q = 0; q < kQuadTokens; ++q) w[q] = __byte_perm(u[q], u[q + 1], shift);
-  }
-  *reinterpret_cast<uint4*>(dst) = slot_order(w);
-}
-
-// Stage S: the zero positions between the end of document b's last group and the next
-// document's first position (0 or 16 of them), of dim d.
-template <int kDim>
-__device__ __forceinline__ void store_transposed_gap(const KernelArgs& a, const OperandArgs& op,
-                                                     int h, int d, int b) {
-  const int begin = __ldg(a.cu_seqlens + b), end = __ldg(a.cu_seqlens + b + 1);
-  const int64_t from =
-      transposed_doc_begin(begin, b) + (end - begin + kGroup - 1) / kGroup * kGroup;
-  const int64_t to = transposed_doc_begin(end, b + 1);
-  uint8_t* row = op.codes_t + (int64_t(h) * kDim + d) * a.tokens_t;
-  for (int64_t p = from; p < to; p += kGroup)
-    *reinterpret_cast<uint4*>(row + p) = make_uint4(0, 0, 0, 0);
 }
 
 // ---- the kernel -------------------------------------------------------------------------------
@@ -776,7 +636,6 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   const int t_end = int(min(int64_t(t0) + G::kTileTokens, a.tokens));
   const int c = threadIdx.x % kL;
   const int group = threadIdx.x / kL;
-  if (threadIdx.x == 0) sm.num_tgroups = 0;  // read after stage P's barriers
   auto tile_token = [&](int p, int r) { return p * G::kTokensPerPass + group * kQuadTokens + r; };
 
   // A: every load in flight first, then clean (and report), rotate, row maxima.
@@ -788,6 +647,10 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
       const int t = t0 + tile_token(p, r);
       raw[p][r] = t < t_end ? __ldcs(chunk_ptr(op, t, h, c)) : make_uint4(0, 0, 0, 0);
     }
+  // codes_t's span: warp 0 searches cu_seqlens while the loads are in flight (read after stage
+  // P's barrier).
+  if (op.codes_t != nullptr && !a.amax_only && threadIdx.x < kWarpLanes)
+    find_transposed_span<kDim>(a, sm, t0, t_end);
   uint32_t any_bad = 0;
 #pragma unroll
   for (int p = 0; p < G::kPasses; ++p)
@@ -797,7 +660,7 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
     for (int p = 0; p < G::kPasses; ++p)
       for (int r = 0; r < kQuadTokens; ++r) {
         const int t = t0 + tile_token(p, r);
-        if (t < t_end) report_non_finite<kDim>(op, a.non_finite + opi, t, h, c);
+        if (t < t_end) report_non_finite<kDim>(op, a.non_finite + op.slot, t, h, c);
       }
   }
   // The rotated instantiation keeps the rotated values of both passes (the rotation costs more
@@ -859,11 +722,10 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   }
   __syncthreads();
 
-  // E: one exponent per token; codes_t's groups and gaps.
-  if (threadIdx.x < G::kTileTokens) {
-    token_exponents<kDim>(a, opi, sm, t0);
-    if (op.codes_t != nullptr) list_transposed_groups<kDim>(a, sm, t0, t_end);
-  }
+  // E: one exponent per token; the records of codes_t's chunks unless the span is aligned.
+  if (threadIdx.x < G::kTileTokens) token_exponents<kDim>(a, opi, sm, t0);
+  if (op.codes_t != nullptr && !sm.span.aligned)
+    build_transposed_records<kDim>(a, sm, t0, t_end, 0);
   __syncthreads();
 
   // B: codes, NVFP4, transposed words.
@@ -887,24 +749,8 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   }
   __syncthreads();
 
-  // S: codes_t's groups and gaps, then the exponent rows of the tile's span, padding included.
-  if (op.codes_t != nullptr) {
-    // Item idx = row * n + gi: group gi of dim row % kL * 8 + row / kL, so consecutive lanes take
-    // consecutive groups of one dim, then dims whose swizzles differ. row = idx / n through a
-    // float reciprocal: exact, as (idx + 1/2) / n is at least 1/(2n) >= 2^-9 away from an integer
-    // and the float error is below 2^-16 (quotient < 2^8, two roundings).
-    const int n = sm.num_tgroups;  // >= 1: the tile's first token starts a listed group
-    const float inv_n = __frcp_rn(float(n));
-    for (int idx = threadIdx.x; idx < n * kDim; idx += kThreads) {
-      const int row = int(__fmul_rn(float(idx) + 0.5f, inv_n));
-      const int gi = idx - row * n;
-      store_transposed_group<kDim>(op, sm, a.tokens_t, h, (row % kL) * kChunkElems + row / kL, gi);
-    }
-    const int gap_lo = sm.gap_doc_lo;
-    const int64_t gaps = int64_t(sm.gap_doc_hi - gap_lo) * kDim;
-    for (int64_t idx = threadIdx.x; idx < gaps; idx += kThreads)
-      store_transposed_gap<kDim>(a, op, h, int(idx % kDim), gap_lo + int(idx / kDim));
-  }
+  // S: codes_t's span, then the exponent rows of the tile, padding included.
+  if (op.codes_t != nullptr) store_transposed<kDim>(a, op, sm, h, t0, t_end);
   const int64_t tp = a.tokens_padded;
   const int span_chunks = int(min(int64_t(G::kTileTokens), tp - t0)) / kVectorBytes;
   if (int(threadIdx.x) < span_chunks) {
