@@ -58,7 +58,9 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
   for (Recipe r : recipes) variants.push_back({r, run.policy, run.hadamard});
   require_backend(problem, variants);
   const TileShape forward_tiles = gpu ? gpu_forward_tiles() : problem.forward;
-  const std::string emu_label = " [emulator " + tiles(forward_tiles) + "]";
+  const TileShape backward_tiles = gpu ? gpu_backward_tiles() : problem.backward;
+  const std::string emu_label =
+      " [emulator " + tiles(forward_tiles) + "/" + tiles(backward_tiles) + "]";
 
   const AttentionBatch batch = make_batch(problem);
   auto t0 = std::chrono::steady_clock::now();
@@ -75,21 +77,40 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
       "|sum_j dS| / sum_j |dS|)";
   diag.columns = {"recipe",    "P~->0", "dS->0 dQ", "dS->0 dK", "resid p50", "resid p99",
                   "resid max", "Q->0",  "K->0",     "V->0",     "dO->0",     "max P~"};
-  vs.title = "GPU forward vs the emulator with the kernel's tiles (" + tiles(forward_tiles) +
-             "): the kernel computes the emulator's algorithm";
-  vs.columns = {"recipe",  "cos O",      "rL2 O",     "max |dO|",
-                "O equal", "max |dLSE|", "emu rL2 O", "ratio"};
+  vs.title = "GPU vs the emulator with the kernels' tiles (" + tiles(forward_tiles) + ", " +
+             tiles(backward_tiles) + "): the kernels compute the emulator's algorithm";
+  vs.columns = {"recipe",    "cos O",   "rL2 O",    "max |dO|", "O equal", "max |dLSE|",
+                "emu rL2 O", "ratio O", "ratio dQ", "ratio dK", "ratio dV"};
   for (size_t k = 0; k < recipes.size(); ++k) {
     const Recipe r = recipes[k];
     AttentionOutputs<float> gpu_out;
+    EmulatorStats gpu_stats;
+    bool gpu_backward = false;
     if (gpu) {
       t0 = std::chrono::steady_clock::now();
-      gpu_out = gpu_forward(batch, problem, variants[k]);
+      gpu_out = gpu_training(batch, problem, variants[k], &gpu_stats);
       const double secs = seconds_since(t0);
+      gpu_backward = !gpu_out.dq.empty();
       const Similarity o = compare(gpu_out.o, ref.o);
-      acc.add_row({std::string(to_string(r)) + " [cuda]", fmt(o.cosine, 5), kNotBuilt, kNotBuilt,
-                   kNotBuilt, fmt_sci(o.rel_l2), kNotBuilt, kNotBuilt, kNotBuilt,
-                   fmt_sci(lse_max_err(gpu_out.lse, ref.lse)), fmt(secs, 2)});
+      const std::string label = std::string(to_string(r)) + " [cuda]";
+      if (gpu_backward) {
+        EmulatorResult as_result;
+        as_result.out = gpu_out;
+        as_result.stats = gpu_stats;
+        const AccuracyReport a = accuracy_report(as_result, ref);
+        acc.add_row({label, fmt(a.o.cosine, 5), fmt(a.dq.cosine, 5), fmt(a.dk.cosine, 5),
+                     fmt(a.dv.cosine, 5), fmt_sci(a.o.rel_l2), fmt_sci(a.dq.rel_l2),
+                     fmt_sci(a.dk.rel_l2), fmt_sci(a.dv.rel_l2), fmt_sci(a.lse_max_err),
+                     fmt(secs, 2)});
+        diag.add_row({label, kNotBuilt, fmt_sci(a.ds_zero_fraction_dq),
+                      fmt_sci(a.ds_zero_fraction_dk), fmt_sci(a.residual_p50),
+                      fmt_sci(a.residual_p99), fmt_sci(a.residual_max), kNotBuilt, kNotBuilt,
+                      kNotBuilt, kNotBuilt, kNotBuilt});
+      } else {
+        acc.add_row({label, fmt(o.cosine, 5), kNotBuilt, kNotBuilt, kNotBuilt, fmt_sci(o.rel_l2),
+                     kNotBuilt, kNotBuilt, kNotBuilt, fmt_sci(lse_max_err(gpu_out.lse, ref.lse)),
+                     fmt(secs, 2)});
+      }
     }
     EmulatorConfig cfg;
     cfg.recipe = r;
@@ -97,7 +118,7 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
     cfg.hadamard = run.hadamard;
     cfg.attention = problem.attention;
     cfg.forward = forward_tiles;
-    cfg.backward = problem.backward;
+    cfg.backward = backward_tiles;
     t0 = std::chrono::steady_clock::now();
     const EmulatorResult res = emulate(batch, cfg);
     const double secs = seconds_since(t0);
@@ -118,31 +139,48 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
       const Similarity d = compare(gpu_out.o, emu_o);
       size_t equal = 0;
       for (size_t i = 0; i < emu_o.size(); ++i) equal += gpu_out.o[i] == res.out.o[i];
+      // GPU-vs-emulator rel L2 as a fraction of the emulator's own error against FP64.
+      auto ratio = [&](const std::vector<float>& g, const std::vector<float>& e,
+                       const Similarity& own) {
+        if (g.empty()) return std::string(kNotBuilt);
+        const double diff = compare(g, std::vector<double>(e.begin(), e.end())).rel_l2;
+        return fmt(own.rel_l2 > 0 ? diff / own.rel_l2 : 0.0, 3);
+      };
       vs.add_row({to_string(r), fmt(d.cosine, 6), fmt_sci(d.rel_l2), fmt_sci(d.max_abs_err),
                   fmt(emu_o.empty() ? 1.0 : double(equal) / double(emu_o.size()), 4),
                   fmt_sci(lse_max_err(gpu_out.lse, res.out.lse)), fmt_sci(a.o.rel_l2),
-                  fmt(a.o.rel_l2 > 0 ? d.rel_l2 / a.o.rel_l2 : 0.0, 3)});
+                  ratio(gpu_out.o, res.out.o, a.o), ratio(gpu_out.dq, res.out.dq, a.dq),
+                  ratio(gpu_out.dk, res.out.dk, a.dk), ratio(gpu_out.dv, res.out.dv, a.dv),
+                  fmt_sci(gpu_score_mismatch(batch, problem, variants[k]))});
     }
   }
   acc.notes.push_back("FP64 reference: " + fmt(ref_seconds, 2) + " s; backend " + problem.backend +
-                      ", tiles fwd " + tiles(forward_tiles) + ", bwd " + tiles(problem.backward));
+                      ", tiles fwd " + tiles(forward_tiles) + ", bwd " + tiles(backward_tiles));
   if (gpu) {
     acc.notes.push_back(
-        "[cuda]: O and LSE of the GPU forward (time: upload, quantize, attention, download; the "
-        "first also starts CUDA); "
-        "GPU backward: not built yet (issue 7), so dQ, dK, dV are " +
-        std::string(kNotBuilt) + ". [emulator]: the CPU emulator with the kernel's forward tiles.");
+        "[cuda]: the GPU training call, forward then backward (time: upload, quantize, "
+        "attention, statistics, download; the first also starts CUDA); with --hadamard only the "
+        "forward runs on the GPU (no rotated backward), so dQ, dK, dV are " +
+        std::string(kNotBuilt) + ". [emulator]: the CPU emulator with the kernels' tiles.");
     if (problem.forward.block_m != forward_tiles.block_m ||
-        problem.forward.block_n != forward_tiles.block_n)
-      acc.notes.push_back("--fwd-tile " + tiles(problem.forward) +
-                          " ignored: the emulator uses the kernel's tiles to match it");
-    diag.notes.push_back("from the emulator runs (the GPU forward reports no statistics)");
+        problem.forward.block_n != forward_tiles.block_n ||
+        problem.backward.block_m != backward_tiles.block_m ||
+        problem.backward.block_n != backward_tiles.block_n)
+      acc.notes.push_back(
+          "--fwd-tile/--bwd-tile ignored: the emulator uses the kernels' tiles "
+          "to match them");
+    diag.notes.push_back(
+        "[cuda] rows: counted by the backward kernel itself (GpuAttentionOptions::diagnostics); "
+        "the GPU forward and the quantizer report no underflow statistics (" +
+        std::string(kNotBuilt) + ")");
     vs.notes.push_back(
-        "O equal: fraction of O elements equal in BF16. ratio: rL2(O_gpu - O_emu) / rL2(O_emu - "
-        "O_fp64), the GPU-vs-emulator difference as a "
-        "fraction of the algorithm's own error. They differ only by ex2.approx, summation order "
-        "and the tensor cores' accumulator, which flips the E4M3 rounding of a few P~; "
-        "tests/gpu/test_gpu_attention_fwd.cu bounds each.");
+        "O equal: fraction of O elements equal in BF16. ratio X: rL2(X_gpu - X_emu) / "
+        "rL2(X_emu - X_fp64), the GPU-vs-emulator difference as a fraction of the algorithm's "
+        "own error. They differ only by ex2.approx, summation orders and the tensor cores' "
+        "accumulator, which flips the E4M3 rounding of a few P~ and dS~; "
+        "tests/gpu/test_gpu_attention_fwd.cu and test_gpu_attention_bwd.cu bound them. S differ: "
+        "fraction of the visible scores whose backward recomputation (its wgmma shapes and "
+        "operand roles, on the same codes) differs bitwise from the forward's (target 0).");
     return {acc, diag, vs};
   }
   return {acc, diag};
@@ -160,8 +198,10 @@ int cmd_accuracy(int argc, char** argv, int first) {
   Args args("accuracy",
             "Runs each recipe through the CPU emulator of the microscaled algorithm and compares "
             "O, dQ, dK, dV and LSE with an FP64 reference on the same BF16 inputs. With "
-            "--backend cuda, each recipe's GPU forward (O, LSE; the GPU backward is not built "
-            "yet) is compared too, with FP64 and with the emulator run with the kernel's tiles.",
+            "--backend cuda, each recipe's GPU training call (forward and backward; the forward "
+            "alone with --hadamard) is compared too, with FP64 and with the emulator run with the "
+            "kernels' tiles, and the backward kernel's own statistics and the forward/backward "
+            "score consistency are printed.",
             specs, argc, argv, first);
   if (args.help_requested()) {
     std::cout << args.usage();

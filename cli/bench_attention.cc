@@ -1,10 +1,12 @@
 // `flamia bench attention` (the default `flamia bench`): the packed causal workloads, flamia's
-// stages (the fused quantizer, the forward from BF16 and from quantized operands per recipe; the
-// backward arrives with issue 7), and the cuDNN peers a user would pick instead, in one run.
+// stages (the fused quantizer; per recipe the forward from BF16 and from quantized operands, the
+// backward from quantized operands and the training call from BF16), and the cuDNN peers a user
+// would pick instead, in one run.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -60,26 +62,29 @@ struct PeerOutcome {
   double fwd_ms = 0, bwd_ms = 0, call_ms = 0;
 };
 
-// flamia's forward of one recipe: from BF16 (quantizer included) and from quantized operands.
-struct ForwardOutcome {
+// flamia's stages of one recipe, in ms; 0 for a stage not run (after a failure: `reason`).
+struct FlamiaOutcome {
   Recipe recipe;
-  bool ok = false;
-  std::string reason;  // why not, when !ok
-  double fwd_ms = 0, kernel_ms = 0;
+  std::string reason;    // why the stages stopped; empty when all ran
+  double fwd_ms = 0;     // forward from BF16, quantizer included
+  double kernel_ms = 0;  // forward kernel on quantized operands
+  double bwd_ms = 0;     // backward on quantized operands (preprocess, main kernel, postprocess)
+  double call_ms = 0;    // training call from BF16: forward, then backward, quantizers included
 };
 
 struct WorkloadResult {
   Workload w;
   std::vector<Stage> stages;
   std::vector<PeerOutcome> peers;
-  std::vector<ForwardOutcome> forwards;  // in Options::recipes order
+  std::vector<FlamiaOutcome> flamia;  // in Options::recipes order
   double quantize_ms = 0;
 };
 
 struct Options {
   int reps = 30, warmup = 5;
   bool graphs = true;
-  std::vector<Recipe> recipes{Recipe::kMxfp8, Recipe::kMxfp8Qk16};  // flamia forwards timed
+  bool deterministic = false;  // also time the backward with deterministic dQ
+  std::vector<Recipe> recipes{Recipe::kMxfp8, Recipe::kMxfp8Qk16};  // flamia recipes timed
 };
 
 // An Error's message without the "flamia: " its constructor adds, to nest it in another.
@@ -90,6 +95,20 @@ std::string bare(const Error& e) {
 
 std::string impl_name(Recipe r) {
   return std::string("flamia ") + to_string(r);
+}
+
+PackedLayout packed_layout(const Workload& w, const std::vector<int32_t>& cu_seqlens) {
+  return {cu_seqlens.data(), int(cu_seqlens.size()) - 1, w.tokens(), w.heads_q, w.heads_kv,
+          w.head_dim};
+}
+
+GpuAttentionOptions gpu_options(const Workload& w, Recipe recipe, bool deterministic = false) {
+  GpuAttentionOptions go;
+  go.recipe = recipe;
+  go.attention.causal = w.causal;
+  go.attention.softmax_scale = 1.0 / std::sqrt(double(w.head_dim));
+  go.deterministic = deterministic;
+  return go;
 }
 
 // Everything one workload allocates: BF16 tensors (inputs in kInputSets sets), E4M3 tensors for
@@ -221,6 +240,88 @@ PeerTensors make_peer_tensors(const bench::SdpaProblem& p, CudnnLayout layout, s
   for (DeviceBuffer* x : {&t.q, &t.k, &t.v, &t.o, &t.dout}) fill(*x, seed++, s);
   return t;
 }
+
+// flamia's side of one workload: per input set the BF16 inputs (the peers' buffers), the
+// quantized operands of the kernel-alone stages (Q, K, V, dO with transposed codes) and the O and
+// LSE the forward writes and the backward reads; and the calls on them.
+class FlamiaWorkload {
+ public:
+  FlamiaWorkload(const Workload& w, const Buffers& b)
+      : w_(w), b_(b), cu_(cu_seqlens_from_lengths(w.docs)) {}
+
+  PackedLayout layout() const { return packed_layout(w_, cu_); }
+  // Token policy with transposed copies: what the kernels consume.
+  static QuantizeOptions quantize_options() { return {}; }
+
+  DeviceAttentionInputs inputs(int set) const {
+    const size_t s = size_t(set);
+    return dense_device_inputs(layout(), b_.cu_seqlens.get<int32_t>(), b_.q[s].get<uint16_t>(),
+                               b_.k[s].get<uint16_t>(), b_.v[s].get<uint16_t>(),
+                               b_.dout[s].get<uint16_t>());
+  }
+
+  // Quantizes every input set and allocates its O and LSE: once, outside the timing.
+  void prepare(cudaStream_t stream) {
+    for (int set = 0; set < kInputSets; ++set) {
+      Set x;
+      x.quantized = std::make_unique<cuda::QuantizeOutputs>(layout(), quantize_options(),
+                                                            /*backward=*/true);
+      quantize_gpu(inputs(set), quantize_options(), x.quantized->view(), stream);
+      x.o = DeviceBuffer(size_t(b_.q_elems) * sizeof(uint16_t));
+      x.lse = DeviceBuffer(sizeof(float) * size_t(w_.heads_q * w_.tokens()));
+      sets_.push_back(std::move(x));
+    }
+    FLAMIA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  void forward_bf16(GpuAttention& a, int set, cudaStream_t s) const {
+    a.forward(inputs(set), outputs(set), s);
+  }
+  void forward_quantized(const GpuAttention& a, int set, cudaStream_t s) const {
+    a.forward(inputs(set), quantized(set), outputs(set), s);
+  }
+  // The training call's backward: needs the BF16 forward of the same set on `a` just before.
+  void backward_bf16(GpuAttention& a, int set, cudaStream_t s) const {
+    a.backward(inputs(set), o(set), lse(set), gradients(), s);
+  }
+  void backward_quantized(GpuAttention& a, int set, cudaStream_t s) const {
+    a.backward(inputs(set), quantized(set), o(set), lse(set), gradients(), s);
+  }
+
+ private:
+  struct Set {
+    std::unique_ptr<cuda::QuantizeOutputs> quantized;
+    DeviceBuffer o, lse;
+  };
+
+  const DeviceQuantizedAttention& quantized(int set) const {
+    return sets_[size_t(set)].quantized->view();
+  }
+  DeviceAttentionOutputs outputs(int set) const {
+    DeviceAttentionOutputs out;
+    out.o = dense_view(sets_[size_t(set)].o.get<uint16_t>(), w_.heads_q, w_.head_dim);
+    out.lse = sets_[size_t(set)].lse.get<float>();
+    return out;
+  }
+  TokenTensor<const uint16_t> o(int set) const {
+    return dense_view<const uint16_t>(sets_[size_t(set)].o.get<uint16_t>(), w_.heads_q,
+                                      w_.head_dim);
+  }
+  const float* lse(int set) const { return sets_[size_t(set)].lse.get<float>(); }
+  // Written, never read: shared by the sets (and with the BF16 peer).
+  DeviceAttentionGradients gradients() const {
+    DeviceAttentionGradients g;
+    g.dq = dense_view(b_.dq.get<uint16_t>(), w_.heads_q, w_.head_dim);
+    g.dk = dense_view(b_.dk.get<uint16_t>(), w_.heads_kv, w_.head_dim);
+    g.dv = dense_view(b_.dv.get<uint16_t>(), w_.heads_kv, w_.head_dim);
+    return g;
+  }
+
+  const Workload& w_;
+  const Buffers& b_;
+  std::vector<int32_t> cu_;
+  std::vector<Set> sets_;
+};
 
 class Runner {
  public:
@@ -414,80 +515,69 @@ class Runner {
     }
   }
 
-  static DeviceAttentionInputs flamia_inputs(const WorkloadResult& r, const Buffers& b,
-                                             const std::vector<int32_t>& cu, int set) {
-    const PackedLayout layout{cu.data(),   int(cu.size()) - 1, r.w.tokens(),
-                              r.w.heads_q, r.w.heads_kv,       r.w.head_dim};
-    const size_t s = size_t(set);
-    return dense_device_inputs(layout, b.cu_seqlens.get<int32_t>(), b.q[s].get<uint16_t>(),
-                               b.k[s].get<uint16_t>(), b.v[s].get<uint16_t>(),
-                               b.dout[s].get<uint16_t>());
-  }
-
-  void run_flamia(WorkloadResult& r, Buffers& b) {
-    const std::vector<int32_t> cu = cu_seqlens_from_lengths(r.w.docs);
-    QuantizeOptions opt;  // token policy, transposed copies: what the kernels consume
-    const PackedLayout layout = flamia_inputs(r, b, cu, 0).layout;
+  void run_flamia(WorkloadResult& r, const Buffers& b) {
+    FlamiaWorkload x(r.w, b);
     {
-      const cuda::QuantizeOutputs out(layout, opt, /*backward=*/true);
-      const auto t = time(
-          [&](int set) { quantize_gpu(flamia_inputs(r, b, cu, set), opt, out.view(), stream_); });
+      const QuantizeOptions opt = FlamiaWorkload::quantize_options();
+      const cuda::QuantizeOutputs out(x.layout(), opt, /*backward=*/true);
+      const auto t = time([&](int set) { quantize_gpu(x.inputs(set), opt, out.view(), stream_); });
       add(r, "flamia mxfp8", "quantize Q K V dO (one launch)", "packed", t, 0);
       r.quantize_ms = t.median_ms;
     }
     if (opt_.recipes.empty()) return;
-
-    // The forward: O into the BF16 output the peers use, LSE [Hq][T] of its own. The operands of
-    // the kernel-alone stage are quantized once per input set, outside the timing.
-    DeviceBuffer lse(sizeof(float) * size_t(r.w.heads_q * r.w.tokens()));
-    DeviceAttentionOutputs out;
-    out.o = dense_view<uint16_t>(b.o.get<uint16_t>(), r.w.heads_q, r.w.head_dim);
-    out.lse = lse.get<float>();
-    std::vector<std::unique_ptr<cuda::QuantizeOutputs>> quantized;
-    const double ff = r.w.forward_flops();
+    x.prepare(stream_);
     for (Recipe recipe : opt_.recipes) {
-      ForwardOutcome f{recipe};
-      const std::string impl = impl_name(recipe);
+      FlamiaOutcome f{recipe};
       try {
-        GpuAttentionOptions go;
-        go.recipe = recipe;
-        go.attention.causal = r.w.causal;
-        go.attention.softmax_scale = 1.0 / std::sqrt(double(r.w.head_dim));
-        check_gpu_support(layout, go);
-        GpuAttention attention(layout, go);
-        // One untimed call: allocates the owned quantizer buffers (no allocation may happen
-        // while a CUDA graph is captured) and checks the inputs are finite.
-        attention.forward(flamia_inputs(r, b, cu, 0), out, stream_);
-        attention.quantizer_status().throw_if_any();
-        progress(r.w.name + ": " + impl + ": " + std::to_string(attention.work_items()) +
-                 " work items on " + std::to_string(attention.ctas()) + " CTAs");
-        const auto fwd =
-            time([&](int set) { attention.forward(flamia_inputs(r, b, cu, set), out, stream_); });
-        if (quantized.empty()) {
-          for (int set = 0; set < kInputSets; ++set) {
-            quantized.push_back(std::make_unique<cuda::QuantizeOutputs>(layout, opt, false));
-            DeviceAttentionInputs x = flamia_inputs(r, b, cu, set);
-            x.dout = {};
-            quantize_gpu(x, opt, quantized.back()->view(), stream_);
-          }
-          FLAMIA_CUDA_CHECK(cudaStreamSynchronize(stream_));
-        }
-        const auto kernel = time([&](int set) {
-          attention.forward(flamia_inputs(r, b, cu, set), quantized[size_t(set)]->view(), out,
-                            stream_);
-        });
-        add(r, impl, "forward from BF16 (quantize Q K V + attention)", "packed", fwd, ff);
-        add(r, impl, "forward kernel (quantized Q K V)", "packed", kernel, ff);
-        f.ok = true;
-        f.fwd_ms = fwd.median_ms;
-        f.kernel_ms = kernel.median_ms;
+        run_recipe(r, x, f);
       } catch (const Error& e) {
         f.reason = bare(e);
-        progress(r.w.name + ": " + impl + " forward not run: " + f.reason);
+        progress(r.w.name + ": " + impl_name(recipe) + " stopped: " + f.reason);
         cudaGetLastError();  // a failed launch must not poison the next stage
       }
-      r.forwards.push_back(f);
+      r.flamia.push_back(f);
     }
+  }
+
+  // One recipe's stages. Each records its time in `f` as it ends, so a failure keeps those before.
+  void run_recipe(WorkloadResult& r, const FlamiaWorkload& x, FlamiaOutcome& f) {
+    const std::string impl = impl_name(f.recipe);
+    const double ff = r.w.forward_flops(), bf = r.w.backward_flops();
+    auto stage = [&](const std::string& name, double flops,
+                     const std::function<void(int)>& enqueue) {
+      const bench::Timing t = time(enqueue);
+      add(r, impl, name, "packed", t, flops);
+      return t.median_ms;
+    };
+    GpuAttention attention(x.layout(), gpu_options(r.w, f.recipe));
+    // One untimed training call: the first calls allocate the owned quantizer buffers and the
+    // backward's workspaces (nothing may be allocated while a CUDA graph is captured); the
+    // quantizer reports non-finite inputs.
+    x.forward_bf16(attention, 0, stream_);
+    attention.quantizer_status().throw_if_any();  // Q, K, V
+    x.backward_bf16(attention, 0, stream_);
+    attention.quantizer_status().throw_if_any();  // dO
+    progress(r.w.name + ": " + impl + ": " + std::to_string(attention.work_items()) +
+             " forward work items on " + std::to_string(attention.ctas()) + " CTAs");
+
+    f.fwd_ms = stage("forward from BF16 (quantize Q K V + attention)", ff,
+                     [&](int set) { x.forward_bf16(attention, set, stream_); });
+    f.kernel_ms = stage("forward kernel (quantized Q K V)", ff,
+                        [&](int set) { x.forward_quantized(attention, set, stream_); });
+    // The backward stages read each set's O and LSE: this recipe's forward of that set.
+    for (int set = 0; set < kInputSets; ++set) x.forward_quantized(attention, set, stream_);
+    f.bwd_ms = stage("backward kernels (quantized Q K V dO, O, LSE)", bf,
+                     [&](int set) { x.backward_quantized(attention, set, stream_); });
+    if (opt_.deterministic) {
+      GpuAttention ordered(x.layout(), gpu_options(r.w, f.recipe, /*deterministic=*/true));
+      x.backward_quantized(ordered, 0, stream_);  // allocates its workspaces, untimed
+      stage("deterministic backward kernels (quantized Q K V dO, O, LSE)", bf,
+            [&](int set) { x.backward_quantized(ordered, set, stream_); });
+    }
+    f.call_ms = stage("training call from BF16 (quantizers included)", ff + bf, [&](int set) {
+      x.forward_bf16(attention, set, stream_);
+      x.backward_bf16(attention, set, stream_);
+    });
   }
 
   Options opt_;
@@ -495,11 +585,32 @@ class Runner {
   DeviceBuffer workspace_;
 };
 
-std::string ms_or(const std::vector<PeerOutcome>& peers, const std::string& impl,
-                  double PeerOutcome::*field) {
-  for (const PeerOutcome& p : peers)
-    if (p.impl == impl) return p.ok ? fmt(p.*field, 3) : "unsupported";
-  return "-";
+// The peer `impl` of r, when it ran.
+const PeerOutcome* find_peer(const WorkloadResult& r, const std::string& impl) {
+  for (const PeerOutcome& p : r.peers)
+    if (p.impl == impl && p.ok) return &p;
+  return nullptr;
+}
+
+std::string peer_cell(const PeerOutcome* p, double ms) {
+  return p ? fmt(ms, 3) : "unsupported";
+}
+
+std::string flamia_cell(double ms) {
+  return ms > 0 ? fmt(ms, 3) : "not run";
+}
+
+// The shortest of the times that were measured (> 0); 0 when none was.
+double fastest(const std::vector<double>& ms) {
+  double best = 0;
+  for (double t : ms)
+    if (t > 0 && (best == 0 || t < best)) best = t;
+  return best;
+}
+
+// A peer's time over flamia's: above 1, flamia is faster.
+std::string speedup(double peer_ms, double flamia_ms) {
+  return peer_ms > 0 && flamia_ms > 0 ? fmt(peer_ms / flamia_ms, 2) : "-";
 }
 
 Table summary_table(const std::vector<WorkloadResult>& results, const Options& opt) {
@@ -507,66 +618,78 @@ Table summary_table(const std::vector<WorkloadResult>& results, const Options& o
   t.title =
       "training-call times (ms; median) and the DESIGN §7 reference ratio (measured / "
       "reference, equal-length workloads)";
-  t.columns = {"workload",    "fwd TFLOP",      "BF16 fwd",       "BF16 fwd+bwd", "FP8 fwd",
-               "FP8 fwd+bwd", "FP8 call fresh", "FP8 call calib", "flamia quant"};
-  for (Recipe recipe : opt.recipes) t.columns.push_back(std::string(to_string(recipe)) + " fwd");
-  if (!opt.recipes.empty()) t.columns.push_back("fwd vs BF16");
-  for (const char* c : {"flamia call", "speedup", "BF16 vs ref", "FP8 vs ref"})
-    t.columns.push_back(c);
+  t.columns = {"workload", "fwd TFLOP",   "BF16 fwd",       "BF16 fwd+bwd",   "BF16 call",
+               "FP8 fwd",  "FP8 fwd+bwd", "FP8 call fresh", "FP8 call calib", "flamia quant"};
+  const bool with_flamia = !opt.recipes.empty();
+  if (with_flamia) {
+    for (Recipe recipe : opt.recipes) t.columns.push_back(std::string(to_string(recipe)) + " fwd");
+    t.columns.push_back("fwd vs BF16");
+    for (Recipe recipe : opt.recipes) t.columns.push_back(std::string(to_string(recipe)) + " call");
+    for (const char* c : {"flamia call", "vs BF16 call", "vs FP8 call"}) t.columns.push_back(c);
+  }
+  for (const char* c : {"BF16 vs ref", "FP8 vs ref"}) t.columns.push_back(c);
   for (const WorkloadResult& r : results) {
-    auto peer = [&](const std::string& impl) -> const PeerOutcome* {
-      for (const PeerOutcome& p : r.peers)
-        if (p.impl == impl && p.ok) return &p;
-      return nullptr;
-    };
-    const PeerOutcome *bf = peer("cuDNN BF16"), *fresh = peer("cuDNN FP8 fresh scales"),
-                      *cal = peer("cuDNN FP8 calibrated");
-    auto sum = [](const PeerOutcome* p) {
-      return p ? fmt(p->fwd_ms + p->bwd_ms, 3) : "unsupported";
-    };
-    std::string bf_ref = "-", fp8_ref = "-";
-    if (auto it = kDesignReference.find(r.w.name); it != kDesignReference.end()) {
-      if (bf) bf_ref = fmt((bf->fwd_ms + bf->bwd_ms) / it->second.bf16_total, 2);
-      if (fresh) fp8_ref = fmt((fresh->fwd_ms + fresh->bwd_ms) / it->second.fp8_total, 2);
-    }
+    const PeerOutcome *bf = find_peer(r, "cuDNN BF16"),
+                      *fresh = find_peer(r, "cuDNN FP8 fresh scales"),
+                      *cal = find_peer(r, "cuDNN FP8 calibrated");
+    // A peer's times; 0 for one that did not run.
+    auto fwd = [](const PeerOutcome* p) { return p ? p->fwd_ms : 0.0; };
+    auto kernels = [](const PeerOutcome* p) { return p ? p->fwd_ms + p->bwd_ms : 0.0; };
+    auto call = [](const PeerOutcome* p) { return p ? p->call_ms : 0.0; };
     std::vector<std::string> row = {r.w.name,
                                     fmt(r.w.forward_flops() / kTera, 2),
-                                    bf ? fmt(bf->fwd_ms, 3) : "unsupported",
-                                    sum(bf),
-                                    fresh ? fmt(fresh->fwd_ms, 3) : "unsupported",
-                                    sum(fresh),
-                                    fresh ? fmt(fresh->call_ms, 3) : "unsupported",
-                                    cal ? fmt(cal->call_ms, 3) : "unsupported",
+                                    peer_cell(bf, fwd(bf)),
+                                    peer_cell(bf, kernels(bf)),
+                                    peer_cell(bf, call(bf)),
+                                    peer_cell(fresh, fwd(fresh)),
+                                    peer_cell(fresh, kernels(fresh)),
+                                    peer_cell(fresh, call(fresh)),
+                                    peer_cell(cal, call(cal)),
                                     fmt(r.quantize_ms, 3)};
-    // The forward from BF16 (quantizer included); its speedup over cuDNN BF16's forward: the
-    // fastest recipe that ran.
-    double best = 0;
-    for (const ForwardOutcome& f : r.forwards) {
-      row.push_back(f.ok ? fmt(f.fwd_ms, 3) : "unsupported");
-      if (f.ok && (best == 0 || f.fwd_ms < best)) best = f.fwd_ms;
+    if (with_flamia) {
+      std::vector<double> flamia_fwd, flamia_call;  // per recipe
+      for (const FlamiaOutcome& f : r.flamia) {
+        flamia_fwd.push_back(f.fwd_ms);
+        flamia_call.push_back(f.call_ms);
+      }
+      for (double ms : flamia_fwd) row.push_back(flamia_cell(ms));
+      row.push_back(speedup(fwd(bf), fastest(flamia_fwd)));
+      for (double ms : flamia_call) row.push_back(flamia_cell(ms));
+      const double best_call = fastest(flamia_call);
+      row.push_back(flamia_cell(best_call));
+      row.push_back(speedup(call(bf), best_call));
+      row.push_back(speedup(fastest({call(fresh), call(cal)}), best_call));
     }
-    if (!opt.recipes.empty()) row.push_back(bf && best > 0 ? fmt(bf->fwd_ms / best, 2) : "-");
-    for (const std::string& c : {std::string("not built"), std::string("-"), bf_ref, fp8_ref})
-      row.push_back(c);
+    std::string bf_ref = "-", fp8_ref = "-";
+    if (auto it = kDesignReference.find(r.w.name); it != kDesignReference.end()) {
+      if (bf) bf_ref = fmt(kernels(bf) / it->second.bf16_total, 2);
+      if (fresh) fp8_ref = fmt(kernels(fresh) / it->second.fp8_total, 2);
+    }
+    row.push_back(bf_ref);
+    row.push_back(fp8_ref);
     t.add_row(row);
   }
   t.notes.push_back(
-      "fwd+bwd: the two cuDNN kernels' medians (what DESIGN §7 reports); FP8 call: amax (fresh "
-      "only) and cast of Q K V, forward, amax and cast of dO, backward, timed as one call.");
-  if (!opt.recipes.empty())
+      "fwd+bwd: the two cuDNN kernels' medians (what DESIGN §7 reports); call: forward and "
+      "backward timed as one call, for FP8 with amax (fresh only) and cast of Q K V, and of dO.");
+  if (with_flamia) {
     t.notes.push_back(
         "<recipe> fwd: flamia's forward from BF16 Q K V (the fused quantizer included, token "
-        "policy); fwd vs BF16: cuDNN BF16 fwd / the fastest of them. The kernel alone is in the "
-        "stage table.");
-  t.notes.push_back(
-      "flamia call / speedup over the fastest peer's training call: the GPU backward is not "
-      "built yet (issue 7); the quantizer and the forward are timed.");
+        "policy); fwd vs BF16: cuDNN BF16 fwd / the fastest of them.");
+    t.notes.push_back(
+        "<recipe> call: flamia's training call from BF16, timed as one call (quantize Q K V, "
+        "forward, quantize dO, backward); flamia call: the fastest recipe's. vs BF16 call, vs FP8 "
+        "call: cuDNN BF16's call, and the faster of cuDNN FP8's two, / flamia call (above 1: "
+        "flamia is faster). The kernels alone are in the stage table.");
+  }
   return t;
 }
 
 Table stage_table(const std::vector<WorkloadResult>& results) {
   Table t;
-  t.title = "stages (median ms; TFLOP/s on visible pairs: forward 4 pairs d h, backward 2.5x)";
+  t.title =
+      "stages (median ms; TFLOP/s on visible pairs: forward 4 pairs d h, backward 2.5x, "
+      "training call 3.5x)";
   t.columns = {"workload", "implementation", "stage", "layout", "ms", "TFLOP/s", "graph"};
   for (const WorkloadResult& r : results) {
     for (const Stage& s : r.stages)
@@ -575,12 +698,9 @@ Table stage_table(const std::vector<WorkloadResult>& results) {
                  s.graph ? "yes" : "no"});
     for (const PeerOutcome& p : r.peers)
       if (!p.ok) t.add_row({r.w.name, p.impl, "unsupported: " + p.reason, "-", "-", "-", "-"});
-    for (const ForwardOutcome& f : r.forwards)
-      if (!f.ok)
-        t.add_row(
-            {r.w.name, impl_name(f.recipe), "forward not run: " + f.reason, "-", "-", "-", "-"});
-    t.add_row(
-        {r.w.name, "flamia", "backward, training call", "-", "not built (issue 7)", "-", "-"});
+    for (const FlamiaOutcome& f : r.flamia)
+      if (!f.reason.empty())
+        t.add_row({r.w.name, impl_name(f.recipe), "stopped: " + f.reason, "-", "-", "-", "-"});
   }
   return t;
 }
@@ -592,11 +712,13 @@ int bench_attention(int argc, char** argv, int first) {
       "bench attention",
       "Times the packed causal workloads (65,536 tokens, 16 query heads, head dim 128): "
       "flamia's stages (the fused quantizer; per recipe, the forward from BF16 inputs, "
-      "quantizer included, and the forward kernel alone on quantized operands; the backward "
-      "is not built yet) and, in the same run, cuDNN fused attention in BF16 and in FP8 with "
-      "per-tensor scales (fresh: an amax pass in the call; calibrated: scales known "
-      "beforehand). CUDA events, warm-up, medians, fresh random inputs rotated over two sets, "
-      "CUDA graphs where capture works.",
+      "quantizer included; the forward kernel alone on quantized operands; the backward "
+      "(preprocess, main kernel, postprocess) on quantized Q, K, V, dO and the forward's O "
+      "and LSE; and the training call: forward from BF16, then the backward from BF16 dO, "
+      "every quantization included) and, in the same run, cuDNN fused attention in BF16 and "
+      "in FP8 with per-tensor scales (fresh: an amax pass in the call; calibrated: scales "
+      "known beforehand). CUDA events, warm-up, medians, fresh random inputs rotated over two "
+      "sets, CUDA graphs where capture works.",
       {{"workloads", "all", "comma-separated workload names, or all"},
        {"docs", "", "a custom workload: document lengths (replaces --workloads)"},
        {"heads", "16", "custom workload: query heads"},
@@ -607,8 +729,9 @@ int bench_attention(int argc, char** argv, int first) {
        {"warmup", "5", "untimed calls before the reps"},
        {"no-graphs", "", "launch directly instead of replaying CUDA graphs", true},
        {"recipes", "mxfp8,mxfp8-qk16",
-        "flamia forward recipes to time (those the kernels implement: mxfp8, mxfp8-qk16), or "
-        "none"},
+        "flamia recipes to time (those the kernels implement: mxfp8, mxfp8-qk16), or none"},
+       {"deterministic", "",
+        "also time each recipe's backward with deterministic dQ (ordered accumulation)", true},
        {"quick", "", "three workloads, 20 reps, 2 warm-ups (for scripts/device-check.sh)", true},
        {"seed", "", "input seed (default: drawn from the clock, so inputs are fresh)"},
        {"csv", "", "also write the stage table to this CSV file"},
@@ -624,6 +747,7 @@ int bench_attention(int argc, char** argv, int first) {
   opt.reps = int(args.integer("reps"));
   opt.warmup = int(args.integer("warmup"));
   opt.graphs = !args.flag("no-graphs");
+  opt.deterministic = args.flag("deterministic");
   opt.recipes.clear();
   if (args.str("recipes") != "none")
     for (const std::string& name : args.strings("recipes")) {
@@ -641,7 +765,7 @@ int bench_attention(int argc, char** argv, int first) {
     w.head_dim = int(args.integer("dim"));
     w.causal = !args.flag("non-causal");
     const std::vector<int32_t> cu = cu_seqlens_from_lengths(w.docs);
-    validate({cu.data(), int(cu.size()) - 1, w.tokens(), w.heads_q, w.heads_kv, w.head_dim});
+    validate(packed_layout(w, cu));
     workloads.push_back(w);
   } else if (args.flag("quick")) {
     for (const char* n : {"16x4096", "8192+224x256", "4x16384-gqa"})
@@ -654,16 +778,12 @@ int bench_attention(int argc, char** argv, int first) {
     for (const std::string& n : args.strings("workloads")) workloads.push_back(workload_by_name(n));
   }
   if (opt.reps < kMinReps) throw Error("--reps must be at least " + std::to_string(kMinReps));
-  // Every forward must be one the kernels implement: say so now, not after the peers ran.
+  // Every recipe must be one the kernels implement: say so now, not after the peers ran.
   for (const Workload& w : workloads)
     for (Recipe recipe : opt.recipes) {
       const std::vector<int32_t> cu = cu_seqlens_from_lengths(w.docs);
-      GpuAttentionOptions go;
-      go.recipe = recipe;
-      go.attention.causal = w.causal;
       try {
-        check_gpu_support(
-            {cu.data(), int(cu.size()) - 1, w.tokens(), w.heads_q, w.heads_kv, w.head_dim}, go);
+        check_gpu_support(packed_layout(w, cu), gpu_options(w, recipe));
       } catch (const Error& e) {
         throw Error("--recipes " + std::string(to_string(recipe)) + " on workload " + w.name +
                     ": " + bare(e) + " (--recipes none times the peers only)");

@@ -134,6 +134,38 @@ AttentionOutputs<float> gpu_forward(const AttentionBatch& batch, const Problem& 
 #endif
 }
 
+AttentionOutputs<float> gpu_training(const AttentionBatch& batch, const Problem& p,
+                                     const GpuVariant& v, EmulatorStats* diagnostics) {
+#if defined(FLAMIA_HAVE_CUDA)
+  if (v.hadamard) return forward_gpu_to_host(batch, gpu_options(p, v));
+  return training_gpu_to_host(batch, gpu_options(p, v), diagnostics);
+#else
+  (void)batch;
+  (void)diagnostics;
+  require_gpu_support(p, v);  // throws: no kernels in this build
+  return {};
+#endif
+}
+
+double gpu_score_mismatch(const AttentionBatch& batch, const Problem& p, const GpuVariant& v) {
+#if defined(FLAMIA_HAVE_CUDA)
+  const ScoreConsistencyReport r = score_consistency_to_host(batch, gpu_options(p, v));
+  return r.entries > 0 ? double(r.differing) / double(r.entries) : 0.0;
+#else
+  (void)batch;
+  require_gpu_support(p, v);  // throws: no kernels in this build
+  return 0.0;
+#endif
+}
+
+TileShape gpu_backward_tiles() {
+#if defined(FLAMIA_HAVE_CUDA)
+  return kGpuBackwardTiles;
+#else
+  return TileShape{};
+#endif
+}
+
 TileShape gpu_forward_tiles() {
 #if defined(FLAMIA_HAVE_CUDA)
   return kGpuForwardTiles;

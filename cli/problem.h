@@ -43,8 +43,18 @@ void require_gpu_support(const Problem& p, const GpuVariant& v);
 // The GPU forward of `batch` (flamia/attention_gpu.h): O and LSE; dQ, dK, dV empty. Synchronises.
 AttentionOutputs<float> gpu_forward(const AttentionBatch& batch, const Problem& p,
                                     const GpuVariant& v);
-// The tiles with which the emulator reproduces the GPU forward (kGpuForwardTiles).
+// The training call on the GPU (forward, then backward; flamia/attention_gpu.h): O, LSE, dQ, dK,
+// dV, and the backward's statistics in `diagnostics` (its backward fields). With Hadamard
+// rotation (no GPU backward) only the forward runs: dQ, dK, dV stay empty. Synchronises.
+AttentionOutputs<float> gpu_training(const AttentionBatch& batch, const Problem& p,
+                                     const GpuVariant& v, EmulatorStats* diagnostics);
+// The fraction of visible S entries whose backward recomputation differs bitwise from the
+// forward's (score_consistency_to_host); synchronises.
+double gpu_score_mismatch(const AttentionBatch& batch, const Problem& p, const GpuVariant& v);
+// The tiles with which the emulator reproduces the GPU kernels (kGpuForwardTiles,
+// kGpuBackwardTiles).
 TileShape gpu_forward_tiles();
+TileShape gpu_backward_tiles();
 
 AttentionBatch make_batch(const Problem& p);
 std::string describe(const Problem& p);  // one line: documents, heads, dim, inputs, mask

@@ -36,6 +36,9 @@ struct GpuAttentionOptions {
   // Backward: add dQ partials in key-block order instead of unordered atomics, so dQ is bitwise
   // reproducible run to run (and a prefix's dQ bitwise independent of its suffix); slower.
   bool deterministic = false;
+  // Backward: also gather DESIGN §4's statistics (dS zero fractions, row residuals, P^T
+  // underflow) for backward_diagnostics(); slower, for `flamia accuracy`.
+  bool diagnostics = false;
 };
 
 // Throws Error when the GPU kernels do not implement the combination (recipe, policy, head dim).
@@ -81,14 +84,20 @@ class GpuAttention {
                 TokenTensor<const uint16_t> o, const float* lse,
                 const DeviceAttentionGradients& grads, cudaStream_t stream);
 
-  // The training call's backward, after the BF16 forward on this object: quantizes in.dout into
-  // the owned buffers and reuses the forward's Q, K, V codes.
+  // The training call's backward, after the BF16 forward on this object: quantizes in.dout alone
+  // into the owned buffers and reuses the forward's Q, K, V codes (in.q and in.k are read too
+  // for mxfp8-qk16). Non-finite dO is reported by quantizer_status().
   void backward(const DeviceAttentionInputs& in, TokenTensor<const uint16_t> o, const float* lse,
                 const DeviceAttentionGradients& grads, cudaStream_t stream);
 
+  // Synchronises and returns the statistics of the last backward (GpuAttentionOptions::
+  // diagnostics): EmulatorStats' backward fields (ds_*, pt_underflow, row_residual); the rest 0.
+  EmulatorStats backward_diagnostics() const;
+
   // The owned quantizer's outputs of the last BF16 forward (and backward: dO).
   const DeviceQuantizedAttention& quantized() const;
-  // Synchronises and returns the non-finite report of the last BF16 forward.
+  // Synchronises and returns the non-finite report of the last BF16 call's quantization (the
+  // forward's Q, K, V, or the backward's dO).
   NonFiniteReport quantizer_status() const;
 
   int work_items() const;  // forward (document, head, query tile) items per call
@@ -108,7 +117,19 @@ AttentionOutputs<float> forward_gpu_to_host(const AttentionBatch& batch,
 // For tests and tools: uploads `batch` (dout required), runs the training call (BF16 forward, then
 // backward) on the current device and returns O, LSE, dQ, dK and dV in the emulator's layout
 // (BF16 values as floats). Throws Error on non-finite inputs, like emulate(). Synchronises.
+// With `diagnostics`, options.diagnostics is implied and the backward's statistics land there.
 AttentionOutputs<float> training_gpu_to_host(const AttentionBatch& batch,
-                                             const GpuAttentionOptions& options);
+                                             const GpuAttentionOptions& options,
+                                             EmulatorStats* diagnostics = nullptr);
+
+// DESIGN §4's forward-backward consistency: of the visible S entries (every query head), those
+// whose recomputation with the backward kernel's instruction shapes and operand roles has FP32
+// bits other than the forward kernel's (target 0). Uploads and quantizes `batch`; synchronises.
+struct ScoreConsistencyReport {
+  int64_t entries = 0;
+  int64_t differing = 0;
+};
+ScoreConsistencyReport score_consistency_to_host(const AttentionBatch& batch,
+                                                 const GpuAttentionOptions& options);
 
 }  // namespace flamia

@@ -1,6 +1,7 @@
 // Host side of the GPU backward: the work list, argument checks, tensor maps, workspaces and the
 // three launches (preprocess, main kernel, postprocess); and the training call's host helper.
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -96,6 +97,11 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     b->dq_turn_stride = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
     if (m.options.deterministic)
       b->dq_turns = cuda::DeviceBuffer(size_t(b->dq_turn_stride) * pl.heads_q * sizeof(int));
+    if (m.options.diagnostics) {
+      b->diagnostics = cuda::DeviceBuffer(sizeof(sm90::bwd::DiagnosticCounters));
+      b->row_sum = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
+      b->row_abs = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
+    }
     m.backward = std::move(b);
   }
   BackwardState& b = *m.backward;
@@ -146,6 +152,13 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     p.dq_turn_stride = b.dq_turn_stride;
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.dq_turns, 0, b.dq_turns.bytes(), stream));
   }
+  if (m.options.diagnostics) {
+    p.diagnostics = b.diagnostics.get<sm90::bwd::DiagnosticCounters>();
+    p.row_sum = b.row_sum.get<float>();
+    p.row_abs = b.row_abs.get<float>();
+    for (const cuda::DeviceBuffer* d : {&b.diagnostics, &b.row_sum, &b.row_abs})
+      FLAMIA_CUDA_CHECK(cudaMemsetAsync(d->get(), 0, d->bytes(), stream));
+  }
   p.dk = grads.dk.data;
   p.dv = grads.dv.data;
   p.dk_stride_token = grads.dk.stride_token;
@@ -192,15 +205,43 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, TokenTensor<const u
   if (in.layout.cu_seqlens == nullptr || !same_layout(in.layout, m.layout))
     reject("the inputs' layout differs from the one this GpuAttention was built for");
   if (in.dout.data == nullptr) reject("dO is null");
-  quantize_gpu(in, m.quantize_options(), m.quant->view(), stream);
+  DeviceAttentionInputs dout_only = in;  // Q, K, V: the forward's codes
+  dout_only.q = dout_only.k = dout_only.v = {};
+  quantize_gpu(dout_only, m.quantize_options(), m.quant->view(), stream);
   backward(in, m.quant->view(), o, lse, grads, stream);
 }
 
+EmulatorStats GpuAttention::backward_diagnostics() const {
+  const Impl& m = *impl_;
+  if (!m.options.diagnostics) reject("backward_diagnostics needs GpuAttentionOptions::diagnostics");
+  if (!m.backward) reject("no backward has run yet");
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+  const BackwardState& b = *m.backward;
+  EmulatorStats st;
+  if (b.diagnostics.bytes() == 0) return st;
+  const auto c = b.diagnostics.download<sm90::bwd::DiagnosticCounters>().front();
+  st.ds_entries = int64_t(c.ds_entries);
+  st.ds_nonzero = int64_t(c.ds_nonzero);
+  st.ds_zero_dq = int64_t(c.ds_zero_dq);
+  st.ds_zero_dk = int64_t(c.ds_zero_dk);
+  st.pt_underflow = int64_t(c.pt_underflow);
+  const std::vector<float> sum = b.row_sum.download<float>(), abs = b.row_abs.download<float>();
+  for (int h = 0; h < m.layout.heads_q; ++h)
+    for (int64_t t = 0; t < m.layout.tokens; ++t) {
+      const size_t i = size_t(h * m.layout.tokens + t);
+      if (abs[i] > 0.0f) st.row_residual.push_back(std::fabs(double(sum[i])) / abs[i]);
+    }
+  return st;
+}
+
 AttentionOutputs<float> training_gpu_to_host(const AttentionBatch& batch,
-                                             const GpuAttentionOptions& options) {
+                                             const GpuAttentionOptions& options,
+                                             EmulatorStats* diagnostics) {
   const PackedLayout pl = batch.layout();
   if (batch.dout.size() != batch.q.size()) throw Error("training_gpu_to_host: the batch has no dO");
-  GpuAttention attention(pl, options);
+  GpuAttentionOptions run_options = options;
+  run_options.diagnostics |= diagnostics != nullptr;
+  GpuAttention attention(pl, run_options);
   const int dim = pl.head_dim;
   const cuda::DeviceBuffer cu = cuda::DeviceBuffer::upload(batch.cu_seqlens);
   const cuda::DeviceBuffer q = cuda::DeviceBuffer::upload(batch.q);
@@ -220,14 +261,15 @@ AttentionOutputs<float> training_gpu_to_host(const AttentionBatch& batch,
   out.o = dense_view<uint16_t>(o.get<uint16_t>(), pl.heads_q, dim);
   out.lse = lse.get<float>();
   attention.forward(in, out, nullptr);
+  attention.quantizer_status().throw_if_any();  // Q, K, V (synchronises)
   DeviceAttentionGradients grads;
   grads.dq = dense_view<uint16_t>(dq.get<uint16_t>(), pl.heads_q, dim);
   grads.dk = dense_view<uint16_t>(dk.get<uint16_t>(), pl.heads_kv, dim);
   grads.dv = dense_view<uint16_t>(dv.get<uint16_t>(), pl.heads_kv, dim);
   attention.backward(in, dense_view<const uint16_t>(o.get<uint16_t>(), pl.heads_q, dim),
                      lse.get<float>(), grads, nullptr);
-  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
-  attention.quantizer_status().throw_if_any();
+  attention.quantizer_status().throw_if_any();  // dO (synchronises)
+  if (diagnostics != nullptr) *diagnostics = attention.backward_diagnostics();
 
   const auto decode = [](const cuda::DeviceBuffer& b) {
     const std::vector<uint16_t> bits = b.download<uint16_t>();

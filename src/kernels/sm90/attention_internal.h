@@ -90,6 +90,7 @@ struct BackwardState {
   int ctas = 0;
   cuda::DeviceBuffer items, counter, delta, dq_accum, dq_turns;
   int64_t dq_turn_stride = 0;
+  cuda::DeviceBuffer diagnostics, row_sum, row_abs;  // with GpuAttentionOptions::diagnostics
 };
 
 }  // namespace gpu_attention

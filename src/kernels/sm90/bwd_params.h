@@ -50,6 +50,16 @@ inline int64_t dq_tile_slots(int64_t tokens, int num_docs) {
   return dq_tile_slot(tokens, num_docs, 0) + 1;
 }
 
+// DESIGN §4's backward statistics, gathered when Params::diagnostics is set (the emulator's
+// EmulatorStats definitions).
+struct DiagnosticCounters {
+  unsigned long long ds_entries;    // visible dS entries
+  unsigned long long ds_nonzero;    // of which nonzero
+  unsigned long long ds_zero_dq;    // nonzero dS rounded to E4M3 zero in dQ's operand
+  unsigned long long ds_zero_dk;    // ... in dK's operand
+  unsigned long long pt_underflow;  // nonzero P rounded to zero in dV's operand
+};
+
 struct Params {
   CUtensorMap map_q;      // score operand Q [T][Hq][D]: E4M3 codes or BF16 inputs; kBlockM rows
   CUtensorMap map_k;      // score operand K [T][Hkv][D]; kBlockN rows
@@ -78,9 +88,12 @@ struct Params {
   int64_t dv_stride_token = 0, dv_stride_head = 0;
   int64_t tokens = 0;
   int heads_q = 0;
-  int group = 1;            // query heads per key/value head
-  float scale_log2 = 0.0f;  // softmax scale * log2(e)
-  float scale = 0.0f;       // softmax scale (dK's final factor)
+  int group = 1;                              // query heads per key/value head
+  float scale_log2 = 0.0f;                    // softmax scale * log2(e)
+  float scale = 0.0f;                         // softmax scale (dK's final factor)
+  DiagnosticCounters* diagnostics = nullptr;  // null: none gathered (the fast path)
+  float* row_sum = nullptr;                   // [Hq][T] sum_j dS_ij, with diagnostics
+  float* row_abs = nullptr;                   // [Hq][T] sum_j |dS_ij|
 };
 
 // Launches the persistent main kernel (bwd_mxfp8.cu, bwd_qk16.cu) with `ctas` CTAs.

@@ -113,9 +113,10 @@ __device__ __forceinline__ void issue_dq_product(float (&dq)[kTileRegs],
 
 // dQ's operand: each listed query's maximum over all 128 keys -> er, then E4M3(dS 2^e_k / 2^er)
 // into the dS tile at [query][transposed_slot(key)].
+template <bool kDiagnostics>
 __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds)[kTileRegs],
                                               const KeyRows& kr, const int* row_max, int quad,
-                                              int key_base) {
+                                              int key_base, StepDiagnostics& diag) {
   float inv[kThreadQueries];
 #pragma unroll
   for (int n = 0; n < kThreadQueries; ++n)
@@ -124,16 +125,86 @@ __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds
   for (int i = 0; i < kTileRegs; ++i) {
     const int n = 2 * (i >> 2) + (i & 1), r = key_half(i);
     const int slot = transposed_slot(key_base + 8 * r);
-    const uint32_t code = e4m3x2_rn_satfinite((ds[i] * kr.fold[r]) * inv[n], 0.0f) & 0xFFu;
+    const float x = (ds[i] * kr.fold[r]) * inv[n];
+    const uint32_t code = e4m3x2_rn_satfinite(x, 0.0f) & 0xFFu;
+    if constexpr (kDiagnostics) diag.zero_dq += ds[i] != 0.0f && rounds_to_zero(x);
     ds_tile[wgmma::sw128_offset(uint32_t(query_of(quad, i)), uint32_t(slot))] = uint8_t(code);
   }
+}
+
+// What a step needs of its work item.
+struct StepItem {
+  int64_t begin;  // the document's first token
+  int length;
+  int n0;  // the key block's first key
+  int head;
+  int doc;
+  int key_block;
+};
+
+// One query tile of one head against the warpgroup's keys: products, gradients, dV and dK
+// accumulation, dS through shared memory, the dQ partial.
+template <ScoreOperand kScore, bool kCausal, bool kDiagnostics>
+__device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kScore>& sm,
+                                              int warpgroup, const StepItem& item, int m,
+                                              uint32_t step, const KeyRows& kr,
+                                              PipelineState<kQStages>& q_state,
+                                              float (&dv)[2][kTileRegs],
+                                              float (&dk)[2][kTileRegs]) {
+  const int t = threadIdx.x % kWarpgroupThreads;
+  const int quad = t % 4;
+  const int m0 = m * kBlockM;
+  const int key_base = warpgroup * wgmma::kM + wgmma::acc_row(t, 0);
+  sm.q_pipe.consumer_wait(q_state);
+  const QueryRows& rows = sm.rows[q_state.index];
+  float s[kTileRegs], dp[kTileRegs];
+  issue_score_products<kScore>(s, dp, sm, q_state.index, warpgroup);
+
+  KeyOperands ops;
+  StepDiagnostics diag;
+  if constexpr (kDiagnostics) {
+    const int64_t row_base = int64_t(item.head) * p.tokens + item.begin;
+    diag.row_sum = p.row_sum + row_base;
+    diag.row_abs = p.row_abs + row_base;
+  }
+  float query_max[kThreadQueries];
+  const bool masked = (kCausal && m0 < item.n0 + kBlockN) || item.n0 + kBlockN > item.length ||
+                      m0 + kBlockM > item.length;
+  if (masked) {
+    gradient_step<true, kCausal, kDiagnostics>(s, dp, rows, kr, quad, m0, item.length, ops,
+                                               query_max, diag);
+  } else {
+    gradient_step<false, kCausal, kDiagnostics>(s, dp, rows, kr, quad, m0, item.length, ops,
+                                                query_max, diag);
+  }
+  int* row_max = sm.row_max[step % kMaxBuffers];
+  publish_query_max(row_max, query_max, quad);
+
+  const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
+  accumulate_key_product(dv, ops.p, sm.doutt[q_state.index], dv_unit);
+  accumulate_key_product(dk, ops.ds, sm.qt[q_state.index], ops.ds_unit);
+  if (lane_index() == 0) sm.q_pipe.consumer_release(q_state);
+  q_state.advance();
+
+  named_barrier_sync(ConsumerBarrier::kMaxReady, kConsumerThreads);
+  // The buffer of the step before last: read by everyone before this barrier, next filled two
+  // steps on (after the next one).
+  if (warpgroup == 0 && t < kBlockM) sm.row_max[(step + 2) % kMaxBuffers][t] = 0;
+  store_ds_tile<kDiagnostics>(sm.ds, dp, kr, row_max, quad, key_base, diag);
+  fence_async_shared();
+  named_barrier_sync(ConsumerBarrier::kDsReady, kConsumerThreads);
+
+  float dq[kTileRegs];
+  issue_dq_product<kScore>(dq, sm, warpgroup);
+  const DqTarget target{item.begin, item.length, m0, item.head, item.doc, m, item.key_block};
+  add_dq_partial(p, dq, row_max, target, t, warpgroup,
+                 warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
+  if constexpr (kDiagnostics) publish_diagnostics(p.diagnostics, diag);
 }
 
 template <ScoreOperand kScore, bool kCausal>
 __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, int warpgroup) {
   const int t = threadIdx.x % kWarpgroupThreads;
-  const int quad = t % 4;
-  const bool releases = lane_index() == 0;
   const int key_base = warpgroup * wgmma::kM + wgmma::acc_row(t, 0);  // the thread's first key
   PipelineState<1> kv_state;
   PipelineState<kQStages> q_state;
@@ -166,50 +237,17 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
 
     const int tiles = (length + kBlockM - 1) / kBlockM;
     for (int hh = 0; hh < p.group; ++hh) {
-      const int head = item.kv_head * p.group + hh;
+      const StepItem si{begin, length, n0, item.kv_head * p.group + hh, item.doc, item.key_block};
       for (int m = first_query_tile(item.key_block, kCausal); m < tiles; ++m, ++step) {
-        const int m0 = m * kBlockM;
-        sm.q_pipe.consumer_wait(q_state);
-        const QueryRows& rows = sm.rows[q_state.index];
-        float s[kTileRegs], dp[kTileRegs];
-        issue_score_products<kScore>(s, dp, sm, q_state.index, warpgroup);
-
-        KeyOperands ops;
-        float query_max[kThreadQueries];
-        const bool masked =
-            (kCausal && m0 < n0 + kBlockN) || n0 + kBlockN > length || m0 + kBlockM > length;
-        if (masked) {
-          gradient_step<true, kCausal>(s, dp, rows, kr, quad, m0, length, ops, query_max);
+        if (p.diagnostics != nullptr) {
+          backward_step<kScore, kCausal, true>(p, sm, warpgroup, si, m, step, kr, q_state, dv, dk);
         } else {
-          gradient_step<false, kCausal>(s, dp, rows, kr, quad, m0, length, ops, query_max);
+          backward_step<kScore, kCausal, false>(p, sm, warpgroup, si, m, step, kr, q_state, dv, dk);
         }
-        int* row_max = sm.row_max[step % kMaxBuffers];
-        publish_query_max(row_max, query_max, quad);
-
-        const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
-        accumulate_key_product(dv, ops.p, sm.doutt[q_state.index], dv_unit);
-        accumulate_key_product(dk, ops.ds, sm.qt[q_state.index], ops.ds_unit);
-        if (releases) sm.q_pipe.consumer_release(q_state);
-        q_state.advance();
-
-        named_barrier_sync(ConsumerBarrier::kMaxReady, kConsumerThreads);
-        // The buffer of the step before last: read by everyone before this barrier, next filled
-        // two steps on (after the next one).
-        if (warpgroup == 0 && t < kBlockM) sm.row_max[(step + 2) % kMaxBuffers][t] = 0;
-        store_ds_tile(sm.ds, dp, kr, row_max, quad, key_base);
-        fence_async_shared();
-        named_barrier_sync(ConsumerBarrier::kDsReady, kConsumerThreads);
-
-        float dq[kTileRegs];
-        issue_dq_product<kScore>(dq, sm, warpgroup);
-        const DqTarget target{begin, length, m0, head, item.doc, m, item.key_block};
-        add_dq_partial(
-            p, dq, row_max, target, t, warpgroup,
-            warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
       }
     }
     store_key_gradients(p, dk, dv, begin, length, n0 + warpgroup * wgmma::kM, item.kv_head, t);
-    if (releases) sm.kv_pipe.consumer_release(kv_state);
+    if (lane_index() == 0) sm.kv_pipe.consumer_release(kv_state);
     kv_state.advance();
   }
 }

@@ -55,15 +55,45 @@ struct KeyOperands {
   float ds_unit[kKeyRows];
 };
 
+// A thread's share of one step's DiagnosticCounters, and where the step's dS row sums go.
+struct StepDiagnostics {
+  uint32_t entries = 0, nonzero = 0, zero_dq = 0, zero_dk = 0, pt_underflow = 0;
+  float* row_sum;  // Params::row_sum + head * T + the document's first token
+  float* row_abs;
+};
+
+// Adds each listed query's dS sums over the warp's 16 keys to the row sums (lane group l / 4
+// adds listed queries l / 4 and l / 4 + 8).
+__device__ __forceinline__ void add_row_sums(const StepDiagnostics& diag, int n, float sum,
+                                             float abs_sum, int query, int length) {
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+#pragma unroll
+  for (int d = 4; d < int(kWarpThreads); d *= 2) {
+    sum += __shfl_xor_sync(kFull, sum, d);
+    abs_sum += __shfl_xor_sync(kFull, abs_sum, d);
+  }
+  if ((n & 7) == int(lane_index()) / 4 && query < length) {
+    atomicAdd(diag.row_sum + query, sum);
+    atomicAdd(diag.row_abs + query, abs_sum);
+  }
+}
+
+// A nonzero value whose E4M3 code is zero.
+__device__ __forceinline__ bool rounds_to_zero(float x) {
+  constexpr uint32_t kMagnitudeBits = 0x7F;
+  return x != 0.0f && (e4m3x2_rn_satfinite(x, 0.0f) & kMagnitudeBits) == 0;
+}
+
 // P and dS of one step. On return dp holds dS, ops the packed operands and query_max the thread's
 // |dS 2^e_k| maxima over its two keys for each listed query. kMasked: keys past the document or
 // (causal) after the query, and queries past the document, get P = 0; unmasked tiles lie inside
-// the document.
-template <bool kMasked, bool kCausal>
+// the document. kDiagnostics: also counts into `diag` (the fast path compiles without it).
+template <bool kMasked, bool kCausal, bool kDiagnostics>
 __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)[kTileRegs],
                                               const QueryRows& rows, const KeyRows& kr, int quad,
                                               int m0, int length, KeyOperands& ops,
-                                              float (&query_max)[kThreadQueries]) {
+                                              float (&query_max)[kThreadQueries],
+                                              StepDiagnostics& diag) {
 #pragma unroll
   for (int g = 0; g < kColGroups; ++g) {
     const int c0 = 8 * g + 2 * quad;
@@ -73,16 +103,21 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
     for (int k = 0; k < 4; ++k) {
       const int i = 4 * g + k, r = key_half(i), c = k & 1;
       float p = exp2_approx(fmaf(s[i] * kr.score[r], t[c].rf, -t[c].lse2));
+      bool visible = true;
       if constexpr (kMasked) {
         const int query = m0 + c0 + c;
         // The query bound too: with BF16 score operands a row past the document may hold any
         // value, and P = 0 must not depend on it.
-        const bool visible =
-            kr.key[r] < length && query < length && (!kCausal || kr.key[r] <= query);
+        visible = kr.key[r] < length && query < length && (!kCausal || kr.key[r] <= query);
         if (!visible) p = 0.0f;
       }
       dp[i] = p * ((dp[i] * t[c].g) * kr.v[r] - t[c].delta);
       s[i] = p * (c ? f.w : f.y);
+      if constexpr (kDiagnostics) {
+        diag.entries += visible;
+        diag.nonzero += dp[i] != 0.0f;
+        diag.pt_underflow += p != 0.0f && rounds_to_zero(s[i]);
+      }
     }
   }
   pack_a_fragments<kQuerySlices>(s, ops.p);
@@ -107,7 +142,10 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
     amax[r] = exp2i(-e);  // now the inverse unit
   }
 #pragma unroll
-  for (int i = 0; i < kTileRegs; ++i) s[i] *= amax[key_half(i)];
+  for (int i = 0; i < kTileRegs; ++i) {
+    s[i] *= amax[key_half(i)];
+    if constexpr (kDiagnostics) diag.zero_dk += dp[i] != 0.0f && rounds_to_zero(s[i]);
+  }
   pack_a_fragments<kQuerySlices>(s, ops.ds);
 
   // dQ's operand needs each query's maximum over all 128 keys: this thread's share.
@@ -115,6 +153,28 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   for (int n = 0; n < kThreadQueries; ++n) {
     const int i0 = 4 * (n >> 1) + (n & 1);  // key r's register of listed query n; key r + 8: +2
     query_max[n] = fmaxf(fabsf(dp[i0] * kr.fold[0]), fabsf(dp[i0 + 2] * kr.fold[1]));
+    if constexpr (kDiagnostics)
+      add_row_sums(diag, n, dp[i0] + dp[i0 + 2], fabsf(dp[i0]) + fabsf(dp[i0 + 2]),
+                   m0 + listed_query(quad, n), length);
+  }
+}
+
+// Adds a warp's step counts to the kernel's counters (diagnostic runs only).
+__device__ __forceinline__ void publish_diagnostics(DiagnosticCounters* totals,
+                                                    const StepDiagnostics& diag) {
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+  constexpr int kCounters = 5;
+  uint32_t counts[kCounters] = {diag.entries, diag.nonzero, diag.zero_dq, diag.zero_dk,
+                                diag.pt_underflow};
+  unsigned long long* sums[kCounters] = {&totals->ds_entries, &totals->ds_nonzero,
+                                         &totals->ds_zero_dq, &totals->ds_zero_dk,
+                                         &totals->pt_underflow};
+#pragma unroll
+  for (int c = 0; c < kCounters; ++c) {
+#pragma unroll
+    for (int d = 1; d < int(kWarpThreads); d *= 2)
+      counts[c] += __shfl_xor_sync(kFull, counts[c], d);
+    if (lane_index() == 0) atomicAdd(sums[c], (unsigned long long)counts[c]);
   }
 }
 
