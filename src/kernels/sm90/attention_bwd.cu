@@ -39,6 +39,28 @@ using sm90::fwd::ScoreOperand;
 static_assert(kGpuBackwardTiles.block_m == kBlockM && kGpuBackwardTiles.block_n == kBlockN,
               "the emulator's tiles must be the kernel's");
 
+// The main kernel's instantiation for the recipe, mask and diagnostics.
+void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool qk16, bool causal,
+                        cudaStream_t stream) {
+  using namespace sm90::bwd;
+  const bool diag = p.diagnostics != nullptr;
+  if (qk16) {
+    if (causal) {
+      (diag ? launch_backward_diagnostics<ScoreOperand::kBf16, true>
+            : launch_backward<ScoreOperand::kBf16, true>)(p, ctas, stream);
+    } else {
+      (diag ? launch_backward_diagnostics<ScoreOperand::kBf16, false>
+            : launch_backward<ScoreOperand::kBf16, false>)(p, ctas, stream);
+    }
+  } else if (causal) {
+    (diag ? launch_backward_diagnostics<ScoreOperand::kE4m3, true>
+          : launch_backward<ScoreOperand::kE4m3, true>)(p, ctas, stream);
+  } else {
+    (diag ? launch_backward_diagnostics<ScoreOperand::kE4m3, false>
+          : launch_backward<ScoreOperand::kE4m3, false>)(p, ctas, stream);
+  }
+}
+
 void require_codes(const DeviceE4M3Operand& op, const std::string& name) {
   require_device_pointer(op.codes, kDeviceAlignment, name + " codes");
   require_device_pointer(op.codes_t, kDeviceAlignment, name + " codes_t");
@@ -93,10 +115,10 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     b->counter = cuda::DeviceBuffer(sizeof(int));
     const int64_t rows = pl.tokens * pl.heads_q;
     b->delta = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
-    b->dq_accum = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * kHeadDim * sizeof(float));
-    b->dq_turn_stride = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
-    if (m.options.deterministic)
-      b->dq_turns = cuda::DeviceBuffer(size_t(b->dq_turn_stride) * pl.heads_q * sizeof(int));
+    b->dq_slots = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
+    const size_t slots = size_t(b->dq_slots) * pl.heads_q;
+    b->dq_accum = cuda::DeviceBuffer(slots * sm90::bwd::kDqSlotFloats * sizeof(float));
+    if (m.options.deterministic) b->dq_turns = cuda::DeviceBuffer(slots * sizeof(int));
     if (m.options.diagnostics) {
       b->diagnostics = cuda::DeviceBuffer(sizeof(sm90::bwd::DiagnosticCounters));
       b->row_sum = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
@@ -117,7 +139,6 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   pre.o_stride_token = o.stride_token;
   pre.o_stride_head = o.stride_head;
   pre.delta = b.delta.get<float>();
-  pre.dq_accum = b.dq_accum.get<float>();
   pre.tokens = pl.tokens;
   pre.heads_q = pl.heads_q;
   sm90::bwd::launch_preprocess(pre, stream);
@@ -147,9 +168,10 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   p.lse = lse;
   p.delta = b.delta.get<float>();
   p.dq_accum = b.dq_accum.get<float>();
+  p.dq_slots = b.dq_slots;
+  FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, b.dq_accum.bytes(), stream));
   if (m.options.deterministic) {
     p.dq_turns = b.dq_turns.get<int>();
-    p.dq_turn_stride = b.dq_turn_stride;
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.dq_turns, 0, b.dq_turns.bytes(), stream));
   }
   if (m.options.diagnostics) {
@@ -172,22 +194,14 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   p.scale = float(m.options.attention.scale_for(pl.head_dim));
   if (b.num_items > 0) {
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.counter, 0, sizeof(int), stream));
-    const bool causal = m.options.attention.causal;
-    if (qk16) {
-      if (causal)
-        sm90::bwd::launch_backward<ScoreOperand::kBf16, true>(p, b.ctas, stream);
-      else
-        sm90::bwd::launch_backward<ScoreOperand::kBf16, false>(p, b.ctas, stream);
-    } else {
-      if (causal)
-        sm90::bwd::launch_backward<ScoreOperand::kE4m3, true>(p, b.ctas, stream);
-      else
-        sm90::bwd::launch_backward<ScoreOperand::kE4m3, false>(p, b.ctas, stream);
-    }
+    launch_main_kernel(p, b.ctas, qk16, m.options.attention.causal, stream);
   }
 
   sm90::bwd::PostprocessParams post;
   post.dq_accum = b.dq_accum.get<float>();
+  post.dq_slots = b.dq_slots;
+  post.cu_seqlens = in.cu_seqlens;
+  post.num_docs = pl.num_docs;
   post.dq = grads.dq.data;
   post.dq_stride_token = grads.dq.stride_token;
   post.dq_stride_head = grads.dq.stride_head;

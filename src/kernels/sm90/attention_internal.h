@@ -89,7 +89,7 @@ struct BackwardState {
   int num_items = 0;
   int ctas = 0;
   cuda::DeviceBuffer items, counter, delta, dq_accum, dq_turns;
-  int64_t dq_turn_stride = 0;
+  int64_t dq_slots = 0;
   cuda::DeviceBuffer diagnostics, row_sum, row_abs;  // with GpuAttentionOptions::diagnostics
 };
 

@@ -25,7 +25,7 @@ static_assert(kConsumerWarpgroups * wgmma::kM == kBlockN, "each consumer owns 64
 
 // Registers: a consumer holds dK and dV (two halves each), dS of the step, one fresh product tile
 // and the packed operands (S^T and dP^T are live together only before the packing).
-constexpr uint32_t kProducerRegs = 40;
+constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs =
     consumer_register_budget(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups);
 constexpr uint32_t kConsumerRegHeadroom = 16;
@@ -117,7 +117,8 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
 template <ScoreOperand kScore>
 constexpr size_t kSmemBytes = sizeof(SharedStorage<kScore>) + wgmma::kSw128AtomBytes;
 
-template <ScoreOperand kScore, bool kCausal>
+// kDiagnostics: the statistics build (Params::diagnostics set); the fast path carries none of it.
+template <ScoreOperand kScore, bool kCausal, bool kDiagnostics>
 __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t misalign =
@@ -137,16 +138,18 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
     if (warp_index() == 0) producer<kScore, kCausal>(p, sm);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
-    consumer_mainloop<kScore, kCausal>(p, sm, int(warpgroup - uint32_t(Warpgroup::kFirstConsumer)));
+    consumer_mainloop<kScore, kCausal, kDiagnostics>(
+        p, sm, int(warpgroup - uint32_t(Warpgroup::kFirstConsumer)));
   }
 }
 
-template <ScoreOperand kScore, bool kCausal>
+template <ScoreOperand kScore, bool kCausal, bool kDiagnostics>
 void launch_backward_impl(const Params& p, int ctas, cudaStream_t stream) {
   constexpr size_t kBytes = kSmemBytes<kScore>;
-  FLAMIA_CUDA_CHECK(cudaFuncSetAttribute(backward_kernel<kScore, kCausal>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes)));
-  backward_kernel<kScore, kCausal><<<ctas, kThreads, kBytes, stream>>>(p);
+  const auto kernel = backward_kernel<kScore, kCausal, kDiagnostics>;
+  FLAMIA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes)));
+  kernel<<<ctas, kThreads, kBytes, stream>>>(p);
   FLAMIA_CUDA_CHECK_LAUNCH();
 }
 

@@ -5,11 +5,11 @@ namespace flamia::sm90::bwd {
 
 template <>
 void launch_backward<ScoreOperand::kE4m3, true>(const Params& p, int ctas, cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kE4m3, true>(p, ctas, stream);
+  launch_backward_impl<ScoreOperand::kE4m3, true, false>(p, ctas, stream);
 }
 template <>
 void launch_backward<ScoreOperand::kE4m3, false>(const Params& p, int ctas, cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kE4m3, false>(p, ctas, stream);
+  launch_backward_impl<ScoreOperand::kE4m3, false, false>(p, ctas, stream);
 }
 
 }  // namespace flamia::sm90::bwd

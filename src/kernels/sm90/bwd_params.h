@@ -41,13 +41,33 @@ FLAMIA_HD int32_t first_query_tile(int32_t key_block, bool causal) {
 // what the deterministic dQ reduction's ordered turns rely on to be free of deadlock.
 std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal);
 
-// The deterministic mode's dQ turn counters: one per (query head, query tile of a document), the
-// tiles of document b starting at (cu_seqlens[b] + b * kBlockM) / kBlockM.
+// The FP32 dQ accumulator and the deterministic mode's turn counters hold one slot per (query
+// head, query tile of a document); the tiles of document b start at slot (cu_seqlens[b] + b *
+// kBlockM) / kBlockM, so no two documents share one.
 FLAMIA_HD int64_t dq_tile_slot(int64_t doc_begin, int doc, int q_tile) {
   return (doc_begin + int64_t(doc) * kBlockM) / kBlockM + q_tile;
 }
 inline int64_t dq_tile_slots(int64_t tokens, int num_docs) {
   return dq_tile_slot(tokens, num_docs, 0) + 1;
+}
+
+// A slot is a query tile's dQ [kBlockM][kHeadDim] as two halves of kHeadDim / 2 columns (one per
+// consumer warpgroup, each added by one bulk reduction), each in the order of the warpgroup's
+// m64n64 accumulator fragment: register i of thread t at (i / 4) * 4 * 128 + 4 t + i % 4, so that
+// the threads' 16-byte shared stores of it are free of bank conflicts.
+constexpr int kDqHalfFloats = kBlockM * kHeadDim / 2;
+constexpr int kDqSlotFloats = 2 * kDqHalfFloats;
+constexpr int kDqFragThreads = 128;  // one warpgroup
+FLAMIA_HD int dq_fragment_offset(int thread, int reg) {
+  return (reg / 4) * 4 * kDqFragThreads + 4 * thread + reg % 4;
+}
+// The offset in its slot of dQ row `row`, column `col` (wgmma::acc_row / acc_col inverted).
+FLAMIA_HD int dq_slot_offset(int row, int col) {
+  const int half = col / (kHeadDim / 2), c = col % (kHeadDim / 2);
+  const int warp = row / 16, r = row % 16;
+  const int thread = 32 * warp + 4 * (r % 8) + (c % 8) / 2;
+  const int reg = 4 * (c / 8) + 2 * (r / 8) + c % 2;
+  return half * kDqHalfFloats + dq_fragment_offset(thread, reg);
 }
 
 // DESIGN §4's backward statistics, gathered when Params::diagnostics is set (the emulator's
@@ -79,10 +99,10 @@ struct Params {
   int64_t tokens_padded = 0;                // Tp
   const float* lse = nullptr;               // [Hq][T], natural log (the forward's)
   const float* delta = nullptr;             // [Hq][T], D (the preprocess's)
-  float* dq_accum = nullptr;                // [T][Hq][D] FP32, zeroed by the preprocess
-  int* dq_turns = nullptr;                  // [Hq][dq_tile_slots]; null: atomic (unordered) dQ
-  int64_t dq_turn_stride = 0;               // dq_tile_slots
-  uint16_t* dk = nullptr;                   // BF16 bits, element strides below
+  float* dq_accum = nullptr;  // [Hq][dq_tile_slots][kDqSlotFloats] FP32, zeroed before the launch
+  int64_t dq_slots = 0;       // dq_tile_slots
+  int* dq_turns = nullptr;    // [Hq][dq_slots]; null: unordered dQ reductions
+  uint16_t* dk = nullptr;     // BF16 bits, element strides below
   uint16_t* dv = nullptr;
   int64_t dk_stride_token = 0, dk_stride_head = 0;
   int64_t dv_stride_token = 0, dv_stride_head = 0;
@@ -96,20 +116,21 @@ struct Params {
   float* row_abs = nullptr;                   // [Hq][T] sum_j |dS_ij|
 };
 
-// Launches the persistent main kernel (bwd_mxfp8.cu, bwd_qk16.cu) with `ctas` CTAs.
+// Launches the persistent main kernel (bwd_mxfp8.cu, bwd_qk16.cu) with `ctas` CTAs; with
+// Params::diagnostics set, its statistics build (bwd_diagnostics.cu).
 template <ScoreOperand kScore, bool kCausal>
 void launch_backward(const Params& p, int ctas, cudaStream_t stream);
+template <ScoreOperand kScore, bool kCausal>
+void launch_backward_diagnostics(const Params& p, int ctas, cudaStream_t stream);
 
-// Preprocess: D = rowsum(dequant(dO_q) * O) per (query head, token) and dq_accum cleared
-// (bwd_prepost.cu).
+// Preprocess: D = rowsum(dequant(dO_q) * O) per (query head, token) (bwd_prepost.cu).
 struct PreprocessParams {
   const uint8_t* dout_codes = nullptr;      // [T][Hq][D]
   const uint8_t* dout_exponents = nullptr;  // [Hq][Tp]
   int64_t tokens_padded = 0;
   const uint16_t* o = nullptr;  // BF16 bits, element strides below
   int64_t o_stride_token = 0, o_stride_head = 0;
-  float* delta = nullptr;     // [Hq][T]
-  float* dq_accum = nullptr;  // [T][Hq][D]
+  float* delta = nullptr;  // [Hq][T]
   int64_t tokens = 0;
   int heads_q = 0;
 };
@@ -117,8 +138,11 @@ void launch_preprocess(const PreprocessParams& p, cudaStream_t stream);
 
 // Postprocess: dQ = dq_accum * scale, to BF16.
 struct PostprocessParams {
-  const float* dq_accum = nullptr;  // [T][Hq][D]
-  uint16_t* dq = nullptr;           // BF16 bits, element strides below
+  const float* dq_accum = nullptr;  // as Params::dq_accum
+  int64_t dq_slots = 0;
+  const int32_t* cu_seqlens = nullptr;  // device
+  int num_docs = 0;
+  uint16_t* dq = nullptr;  // BF16 bits, element strides below
   int64_t dq_stride_token = 0, dq_stride_head = 0;
   int64_t tokens = 0;
   int heads_q = 0;

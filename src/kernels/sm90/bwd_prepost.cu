@@ -16,7 +16,7 @@ constexpr int kLaneElems = kHeadDim / int(kWarpThreads);
 static_assert(kLaneElems == 4, "a lane reads 4 codes and 4 BF16 values");
 
 // D_i = sum_d (dO code_id * 2^e_dO(i)) * O_id, the values dP uses times the forward's O; the
-// warp reduces in a fixed tree, so D is the same on every run. Clears the row's dQ accumulator.
+// warp reduces in a fixed tree, so D is the same on every run.
 __global__ void __launch_bounds__(kRowsPerBlock* kWarpThreads)
     preprocess_kernel(const __grid_constant__ PreprocessParams p) {
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarpThreads;
@@ -39,8 +39,6 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarpThreads)
 #pragma unroll
   for (int d = int(kWarpThreads) / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, d);
   if (lane == 0) p.delta[int64_t(head) * p.tokens + token] = sum;
-  *reinterpret_cast<float4*>(p.dq_accum + row * kHeadDim + kLaneElems * lane) =
-      make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
 constexpr int kPostThreads = 256;
@@ -54,7 +52,23 @@ __global__ void __launch_bounds__(kPostThreads)
   const int d = 2 * int(pair % kPairsPerRow);
   const int64_t token = row / p.heads_q;
   const int head = int(row % p.heads_q);
-  const float2 acc = *reinterpret_cast<const float2*>(p.dq_accum + row * kHeadDim + d);
+  // The token's document: the last one starting at or before it (zero-length ones skipped).
+  int lo = 0, hi = p.num_docs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.cu_seqlens[mid] <= token)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int64_t begin = p.cu_seqlens[lo];
+  const int r = int(token - begin);
+  const float* slot =
+      p.dq_accum +
+      (int64_t(head) * p.dq_slots + dq_tile_slot(begin, lo, r / kBlockM)) * kDqSlotFloats;
+  // Columns d and d + 1 sit in consecutive registers of one thread.
+  const float2 acc =
+      make_float2(slot[dq_slot_offset(r % kBlockM, d)], slot[dq_slot_offset(r % kBlockM, d + 1)]);
   *reinterpret_cast<__nv_bfloat162*>(p.dq + token * p.dq_stride_token + head * p.dq_stride_head +
                                      d) = __floats2bfloat162_rn(acc.x * p.scale, acc.y * p.scale);
 }

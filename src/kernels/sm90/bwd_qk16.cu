@@ -6,11 +6,11 @@ namespace flamia::sm90::bwd {
 
 template <>
 void launch_backward<ScoreOperand::kBf16, true>(const Params& p, int ctas, cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kBf16, true>(p, ctas, stream);
+  launch_backward_impl<ScoreOperand::kBf16, true, false>(p, ctas, stream);
 }
 template <>
 void launch_backward<ScoreOperand::kBf16, false>(const Params& p, int ctas, cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kBf16, false>(p, ctas, stream);
+  launch_backward_impl<ScoreOperand::kBf16, false, false>(p, ctas, stream);
 }
 
 }  // namespace flamia::sm90::bwd

@@ -78,6 +78,7 @@ struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   // Quantized dS [queries][keys]: one buffer, as a warpgroup writes the next step's only after
   // the kMaxReady barrier, which the other passes only once its dQ product has completed.
   uint8_t ds[kDsBytes];
+  float dq_stage[2][kDqHalfFloats];  // per warpgroup: its dQ partial for the bulk reduction
   QueryRows rows[kQStages];
   int row_max[kMaxBuffers][kBlockM];
   WorkItem item;

@@ -1,12 +1,14 @@
-// The backward's outputs: dQ partials added to the FP32 accumulator in global memory (unordered
-// atomics, or in key-block order for the deterministic mode), and dK, dV of a work item's keys
-// stored once as BF16, only for keys inside the document.
+// The backward's outputs: dQ partials added to the FP32 accumulator in global memory by bulk
+// reductions (unordered, or in key-block order for the deterministic mode), and dK, dV of a work
+// item's keys stored once as BF16, only for keys inside the document.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "named_barrier.cuh"
+#include "proxy_fence.cuh"
 #include "softmax_bwd.cuh"
+#include "tma.cuh"
 
 namespace flamia::sm90::bwd {
 
@@ -27,42 +29,53 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   return v;
 }
 
-// dQ rows (queries acc_row(t, 0) and + 8) times 2^er, er from the step's query maxima, added to
-// columns 64 w.. of the accumulator. Ordered mode: the two warpgroups of key block n add after
-// those of blocks 0..n-1 (2n turns), then count their own turn.
+// Orders this thread's generic-proxy global accesses with its bulk (async-proxy) ones.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// The warpgroup's dQ partial (queries x its 64 head-dim columns) times 2^er per row, er from the
+// step's query maxima, staged in shared memory in fragment order and added to the accumulator's
+// slot by one bulk reduction. Ordered mode: the warpgroups of key block n reduce after those of
+// blocks 0..n-1 (2n turns) and wait for their reduction to complete before counting their turn.
 template <typename Barrier>
 __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq)[kTileRegs],
-                                               const int* row_max, const DqTarget& at, int t,
-                                               int warpgroup, Barrier warpgroup_barrier) {
-  const int quad = t % 4;
-  int* turn = nullptr;
-  if (p.dq_turns != nullptr) {
-    turn = p.dq_turns + int64_t(at.head) * p.dq_turn_stride +
-           dq_tile_slot(at.begin, at.doc, at.q_tile);
-    if (t == 0)
-      while (load_acquire(turn) < 2 * at.key_block) {
-      }
-    named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
-  }
+                                               const int* row_max, float* stage, const DqTarget& at,
+                                               int t, int warpgroup, Barrier warpgroup_barrier) {
+  // The previous step's reduction must have read the stage before it is overwritten.
+  if (t == 0) tma_store_wait_read<0>();
+  named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
+  float unit[kKeyRows];
 #pragma unroll
-  for (int r = 0; r < kKeyRows; ++r) {
-    const int row = wgmma::acc_row(t, 2 * r);
-    if (at.m0 + row >= at.length) continue;
-    const float unit = exp2i(scale_exponent_up(__int_as_float(row_max[row]), kE4m3Max));
-    float* dst = p.dq_accum + ((at.begin + at.m0 + row) * p.heads_q + at.head) * kHeadDim +
-                 warpgroup * (kHeadDim / 2) + 2 * quad;
+  for (int r = 0; r < kKeyRows; ++r)
+    unit[r] = exp2i(scale_exponent_up(__int_as_float(row_max[wgmma::acc_row(t, 2 * r)]), kE4m3Max));
 #pragma unroll
-    for (int g = 0; g < kColGroups; ++g) {
-      const int i = 4 * g + 2 * r;
-      atomicAdd(reinterpret_cast<float2*>(dst + 8 * g),
-                make_float2(dq[i] * unit, dq[i + 1] * unit));
-    }
+  for (int i = 0; i < kTileRegs; i += 4)
+    *reinterpret_cast<float4*>(stage + dq_fragment_offset(t, i)) =
+        make_float4(dq[i] * unit[0], dq[i + 1] * unit[0], dq[i + 2] * unit[1], dq[i + 3] * unit[1]);
+  fence_async_shared();
+  named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
+  if (t != 0) return;
+  float* slot =
+      p.dq_accum +
+      (int64_t(at.head) * p.dq_slots + dq_tile_slot(at.begin, at.doc, at.q_tile)) * kDqSlotFloats +
+      warpgroup * kDqHalfFloats;
+  if (p.dq_turns == nullptr) {
+    bulk_reduce_add(slot, stage, kDqHalfFloats * sizeof(float));
+    tma_store_commit();
+    return;
   }
-  if (turn != nullptr) {
-    __threadfence();
-    named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
-    if (t == 0) atomicAdd(turn, 1);
+  int* turn =
+      p.dq_turns + int64_t(at.head) * p.dq_slots + dq_tile_slot(at.begin, at.doc, at.q_tile);
+  while (load_acquire(turn) < 2 * at.key_block) {
   }
+  fence_proxy_async_global();
+  bulk_reduce_add(slot, stage, kDqHalfFloats * sizeof(float));
+  tma_store_commit();
+  tma_store_wait<0>();
+  fence_proxy_async_global();
+  __threadfence();
+  atomicAdd(turn, 1);
 }
 
 // dK = scale * acc, dV = acc for the warpgroup's keys key0.. (rows of the accumulators).

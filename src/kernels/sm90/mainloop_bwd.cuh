@@ -112,23 +112,32 @@ __device__ __forceinline__ void issue_dq_product(float (&dq)[kTileRegs],
 }
 
 // dQ's operand: each listed query's maximum over all 128 keys -> er, then E4M3(dS 2^e_k / 2^er)
-// into the dS tile at [query][transposed_slot(key)].
+// into the dS tile at [query][transposed_slot(key)]. Register i's query is 8 (i / 4) + 2 quad +
+// i % 2, so its swizzled byte offset is one of four per-thread bases (query parity x key) plus
+// 1024 (i / 4): the 8-row swizzle pattern repeats every 8 queries.
 template <bool kDiagnostics>
 __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds)[kTileRegs],
                                               const KeyRows& kr, const int* row_max, int quad,
                                               int key_base, StepDiagnostics& diag) {
+  constexpr uint32_t kGroupBytes = wgmma::kSw128AtomBytes;  // 8 queries of 128 B
   float inv[kThreadQueries];
 #pragma unroll
   for (int n = 0; n < kThreadQueries; ++n)
     inv[n] = exp2i(-scale_exponent_up(__int_as_float(row_max[listed_query(quad, n)]), kE4m3Max));
+  uint8_t* base[2][kKeyRows];
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int r = 0; r < kKeyRows; ++r)
+      base[c][r] = ds_tile + wgmma::sw128_offset(uint32_t(2 * quad + c),
+                                                 uint32_t(transposed_slot(key_base + 8 * r)));
 #pragma unroll
   for (int i = 0; i < kTileRegs; ++i) {
     const int n = 2 * (i >> 2) + (i & 1), r = key_half(i);
-    const int slot = transposed_slot(key_base + 8 * r);
     const float x = (ds[i] * kr.fold[r]) * inv[n];
     const uint32_t code = e4m3x2_rn_satfinite(x, 0.0f) & 0xFFu;
     if constexpr (kDiagnostics) diag.zero_dq += ds[i] != 0.0f && rounds_to_zero(x);
-    ds_tile[wgmma::sw128_offset(uint32_t(query_of(quad, i)), uint32_t(slot))] = uint8_t(code);
+    base[i & 1][r][(i >> 2) * kGroupBytes] = uint8_t(code);
   }
 }
 
@@ -179,30 +188,30 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   }
   int* row_max = sm.row_max[step % kMaxBuffers];
   publish_query_max(row_max, query_max, quad);
+  named_barrier_sync(ConsumerBarrier::kMaxReady, kConsumerThreads);
+  // The buffer of the step before last: read by everyone before this barrier, next filled two
+  // steps on (after the next one).
+  if (warpgroup == 0 && t < kBlockM) sm.row_max[(step + 2) % kMaxBuffers][t] = 0;
+  // dS leaves the registers before the dV and dK products need theirs.
+  store_ds_tile<kDiagnostics>(sm.ds, dp, kr, row_max, quad, key_base, diag);
+  fence_async_shared();
 
   const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
   accumulate_key_product(dv, ops.p, sm.doutt[q_state.index], dv_unit);
   accumulate_key_product(dk, ops.ds, sm.qt[q_state.index], ops.ds_unit);
   if (lane_index() == 0) sm.q_pipe.consumer_release(q_state);
   q_state.advance();
-
-  named_barrier_sync(ConsumerBarrier::kMaxReady, kConsumerThreads);
-  // The buffer of the step before last: read by everyone before this barrier, next filled two
-  // steps on (after the next one).
-  if (warpgroup == 0 && t < kBlockM) sm.row_max[(step + 2) % kMaxBuffers][t] = 0;
-  store_ds_tile<kDiagnostics>(sm.ds, dp, kr, row_max, quad, key_base, diag);
-  fence_async_shared();
   named_barrier_sync(ConsumerBarrier::kDsReady, kConsumerThreads);
 
   float dq[kTileRegs];
   issue_dq_product<kScore>(dq, sm, warpgroup);
   const DqTarget target{item.begin, item.length, m0, item.head, item.doc, m, item.key_block};
-  add_dq_partial(p, dq, row_max, target, t, warpgroup,
+  add_dq_partial(p, dq, row_max, sm.dq_stage[warpgroup], target, t, warpgroup,
                  warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
   if constexpr (kDiagnostics) publish_diagnostics(p.diagnostics, diag);
 }
 
-template <ScoreOperand kScore, bool kCausal>
+template <ScoreOperand kScore, bool kCausal, bool kDiagnostics>
 __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, int warpgroup) {
   const int t = threadIdx.x % kWarpgroupThreads;
   const int key_base = warpgroup * wgmma::kM + wgmma::acc_row(t, 0);  // the thread's first key
@@ -238,13 +247,9 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     const int tiles = (length + kBlockM - 1) / kBlockM;
     for (int hh = 0; hh < p.group; ++hh) {
       const StepItem si{begin, length, n0, item.kv_head * p.group + hh, item.doc, item.key_block};
-      for (int m = first_query_tile(item.key_block, kCausal); m < tiles; ++m, ++step) {
-        if (p.diagnostics != nullptr) {
-          backward_step<kScore, kCausal, true>(p, sm, warpgroup, si, m, step, kr, q_state, dv, dk);
-        } else {
-          backward_step<kScore, kCausal, false>(p, sm, warpgroup, si, m, step, kr, q_state, dv, dk);
-        }
-      }
+      for (int m = first_query_tile(item.key_block, kCausal); m < tiles; ++m, ++step)
+        backward_step<kScore, kCausal, kDiagnostics>(p, sm, warpgroup, si, m, step, kr, q_state, dv,
+                                                     dk);
     }
     store_key_gradients(p, dk, dv, begin, length, n0 + warpgroup * wgmma::kM, item.kv_head, t);
     if (lane_index() == 0) sm.kv_pipe.consumer_release(kv_state);

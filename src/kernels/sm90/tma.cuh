@@ -246,6 +246,14 @@ __device__ __forceinline__ void bulk_store(void* gmem_dst, const void* smem_src,
                              smem_src, bytes);
 }
 
+// Adds `bytes` (a multiple of 16) of FP32 values from shared memory into global memory, element
+// by element, in L2; joins the thread's bulk group like the stores.
+__device__ __forceinline__ void bulk_reduce_add(float* gmem_dst, const float* smem_src,
+                                                uint32_t bytes) {
+  ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared,
+                                    ::cuda::ptx::op_add, gmem_dst, smem_src, bytes);
+}
+
 __device__ __forceinline__ void tma_store_commit() {
   ::cuda::ptx::cp_async_bulk_commit_group();
 }
