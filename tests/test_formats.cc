@@ -193,6 +193,25 @@ TEST(BF16, AllPatternsRoundTripAndMidpointsTieToEven) {
   }
 }
 
+// The kernels' branch-free form equals the reference rule on every non-negative finite float of a
+// dense sweep: every exponent field with the mantissas around the 1.75 boundary and both ends,
+// and every 61st bit pattern besides (about 35 million values).
+TEST(ScaleExponent, E4m3FastFormEqualsTheRule) {
+  constexpr uint32_t kFiniteEnd = 0x7F800000u;
+  int64_t checked = 0, mismatched = 0;
+  auto check = [&](uint32_t bits) {
+    const float a = bits_to_float(bits);
+    ++checked;
+    if (scale_exponent_up_e4m3(a) != scale_exponent_up(a, e4m3::kMax) && ++mismatched <= 5)
+      ADD_FAILURE() << "amax bits " << std::hex << bits;
+  };
+  for (uint32_t exp = 0; exp < 255; ++exp)
+    for (uint32_t mant : {0u, 1u, 0x5FFFFFu, 0x600000u, 0x600001u, 0x7FFFFFu})
+      check((exp << kFloatMantissaBits) | mant);
+  for (uint32_t bits = 0; bits < kFiniteEnd; bits += 61) check(bits);
+  EXPECT_EQ(mismatched, 0) << "of " << checked;
+}
+
 TEST(ScaleExponent, RoundUpIsSmallestExponentWithoutClamp) {
   auto check = [](float amax) {
     int e = scale_exponent_up(amax, e4m3::kMax);

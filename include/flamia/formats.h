@@ -42,6 +42,7 @@ constexpr uint32_t kFloatAbsMask = 0x7FFFFFFFu;
 constexpr uint32_t kFloatInfBits = 0x7F800000u;
 constexpr uint32_t kFloatQuietNaN = 0x7FC00000u;
 constexpr int kFloatMantissaBits = 23;
+constexpr uint32_t kFloatMantissaMask = (1u << kFloatMantissaBits) - 1;
 constexpr int kFloatBias = 127;
 
 FLAMIA_HD bool is_finite_float(float x) {
@@ -218,6 +219,19 @@ FLAMIA_HD int scale_exponent_up(float amax, float max_code) {
   if (e > ue8m0::kMaxExponent) return ue8m0::kMaxExponent;
   if (amax > max_code * exp2i(e) && e < ue8m0::kMaxExponent) ++e;
   return e;
+}
+
+// scale_exponent_up(amax, e4m3::kMax) without branches, for kernels' inner loops: amax = 1.m 2^E
+// exceeds 448 2^(E - 8) = 1.75 2^E exactly when m > 0.75, and the clamp at -127 is the only one
+// reachable. tests/test_formats.cc checks it against scale_exponent_up over every binade.
+FLAMIA_HD int scale_exponent_up_e4m3(float amax) {
+  constexpr uint32_t kSevenEighthsMantissa = 0x600000;  // mantissa field of 1.75
+  const uint32_t bits = float_to_bits(amax);
+  const int biased = int(bits >> kFloatMantissaBits);
+  const int e = biased - kFloatBias - e4m3::kMaxExponent +
+                int((bits & kFloatMantissaMask) > kSevenEighthsMantissa);
+  const int clamped = e < ue8m0::kMinExponent ? ue8m0::kMinExponent : e;
+  return bits == 0 ? kZeroGroupExponent : clamped;
 }
 
 // Baseline "floor" rule: the exponent that puts amax's leading bit at E4M3's largest binade, so

@@ -48,7 +48,7 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   float unit[kKeyRows];
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r)
-    unit[r] = exp2i(scale_exponent_up(__int_as_float(row_max[wgmma::acc_row(t, 2 * r)]), kE4m3Max));
+    unit[r] = exp2i(scale_exponent_up_e4m3(__int_as_float(row_max[wgmma::acc_row(t, 2 * r)])));
 #pragma unroll
   for (int i = 0; i < kTileRegs; i += 4)
     *reinterpret_cast<float4*>(stage + dq_fragment_offset(t, i)) =

@@ -123,7 +123,7 @@ __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds
   float inv[kThreadQueries];
 #pragma unroll
   for (int n = 0; n < kThreadQueries; ++n)
-    inv[n] = exp2i(-scale_exponent_up(__int_as_float(row_max[listed_query(quad, n)]), kE4m3Max));
+    inv[n] = exp2i(-scale_exponent_up_e4m3(__int_as_float(row_max[listed_query(quad, n)])));
   uint8_t* base[2][kKeyRows];
 #pragma unroll
   for (int c = 0; c < 2; ++c)

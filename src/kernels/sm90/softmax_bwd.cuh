@@ -26,7 +26,6 @@ constexpr int kTileRegs = wgmma::acc_regs(kBlockM);    // a warpgroup's 64 keys 
 constexpr int kColGroups = kTileRegs / 4;              // 8-query groups: registers 4g..4g+3
 constexpr int kQuerySlices = kBlockM / wgmma::kKE4m3;  // k32 slices of the dV and dK products
 constexpr int kThreadQueries = 2 * kColGroups;         // queries a thread holds
-constexpr float kE4m3Max = 448.0f;
 
 __device__ __forceinline__ int key_half(int i) {
   return (i >> 1) & 1;
@@ -111,7 +110,8 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
         visible = kr.key[r] < length && query < length && (!kCausal || kr.key[r] <= query);
         if (!visible) p = 0.0f;
       }
-      dp[i] = p * ((dp[i] * t[c].g) * kr.v[r] - t[c].delta);
+      // 2^e_dO 2^e_v is exact: one rounding fewer than the emulator's (dP 2^e_dO) 2^e_v - D.
+      dp[i] = p * fmaf(dp[i], t[c].g * kr.v[r], -t[c].delta);
       s[i] = p * (c ? f.w : f.y);
       if constexpr (kDiagnostics) {
         diag.entries += visible;
@@ -137,7 +137,7 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   }
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r) {
-    const int e = scale_exponent_up(quad_max(amax[r]), kE4m3Max);
+    const int e = scale_exponent_up_e4m3(quad_max(amax[r]));
     ops.ds_unit[r] = exp2i(e);
     amax[r] = exp2i(-e);  // now the inverse unit
   }
@@ -178,20 +178,36 @@ __device__ __forceinline__ void publish_diagnostics(DiagnosticCounters* totals,
   }
 }
 
-// Reduces each listed query's maximum over the warp's 16 keys (the lanes of equal quad position),
-// then lane group l / 4 publishes listed queries l / 4 and l / 4 + 8 to the block-wide maxima
-// (non-negative floats order like their bits as int).
+// One exchange of the transposing butterfly below: over lane bit kBit, v[0, 2 kWidth) becomes
+// v[0, kWidth), the lane keeping the half its bit selects.
+template <int kBit, int kWidth>
+__device__ __forceinline__ void butterfly_max_round(float (&v)[kThreadQueries], int lane,
+                                                    int& first) {
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+  const bool upper = (lane >> kBit) & 1;
+#pragma unroll
+  for (int j = 0; j < kWidth; ++j) {
+    const float lo = v[j], hi = v[j + kWidth];
+    const float mine = upper ? hi : lo, theirs = upper ? lo : hi;
+    v[j] = fmaxf(mine, __shfl_xor_sync(kFull, theirs, 1 << kBit));
+  }
+  first += upper ? kWidth : 0;
+}
+
+// Reduces each listed query's maximum over the warp's 16 keys (the 8 lanes of equal quad
+// position) by a transposing butterfly: each exchange over lane bit b halves the values a lane
+// keeps, so after bits 4, 3, 2 (14 shuffles) lane l holds listed queries 8 b4 + 4 b3 + 2 b2 and
+// the next one, which it publishes to the block-wide maxima (non-negative floats order like their
+// bits as int).
 __device__ __forceinline__ void publish_query_max(int* row_max, float (&query_max)[kThreadQueries],
                                                   int quad) {
-  constexpr unsigned kFull = 0xFFFFFFFFu;
-  const int group = int(lane_index()) / 4;
-#pragma unroll
-  for (int n = 0; n < kThreadQueries; ++n) {
-#pragma unroll
-    for (int d = 4; d < int(kWarpThreads); d *= 2)
-      query_max[n] = fmaxf(query_max[n], __shfl_xor_sync(kFull, query_max[n], d));
-    if ((n & 7) == group) atomicMax(&row_max[listed_query(quad, n)], __float_as_int(query_max[n]));
-  }
+  const int lane = int(lane_index());
+  int first = 0;  // the listed query of query_max[0]
+  butterfly_max_round<4, 8>(query_max, lane, first);
+  butterfly_max_round<3, 4>(query_max, lane, first);
+  butterfly_max_round<2, 2>(query_max, lane, first);
+  atomicMax(&row_max[listed_query(quad, first)], __float_as_int(query_max[0]));
+  atomicMax(&row_max[listed_query(quad, first + 1)], __float_as_int(query_max[1]));
 }
 
 }  // namespace flamia::sm90::bwd
