@@ -39,6 +39,7 @@ constexpr uint32_t kDsBytes = kBlockM * kBlockN;
 // Rotating buffers of per-query |dS| maxima (float bits as int, for atomicMax): a step fills one
 // while the previous one may still be read and the one before is being cleared.
 constexpr int kMaxBuffers = 3;
+constexpr int kDqStages = 2;
 
 template <ScoreOperand kScore>
 struct SmemLayout {
@@ -78,7 +79,9 @@ struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   // Quantized dS [queries][keys]: one buffer, as a warpgroup writes the next step's only after
   // the kMaxReady barrier, which the other passes only once its dQ product has completed.
   uint8_t ds[kDsBytes];
-  float dq_stage[2][kDqHalfFloats];  // per warpgroup: its dQ partial for the bulk reduction
+  // Per warpgroup, by step parity: its dQ partial for the bulk reduction (one may still be read
+  // while the next is written).
+  float dq_stage[2][kDqStages][kDqHalfFloats];
   QueryRows rows[kQStages];
   int row_max[kMaxBuffers][kBlockM];
   WorkItem item;

@@ -36,15 +36,14 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 
 // The warpgroup's dQ partial (queries x its 64 head-dim columns) times 2^er per row, er from the
 // step's query maxima, staged in shared memory in fragment order and added to the accumulator's
-// slot by one bulk reduction. Ordered mode: the warpgroups of key block n reduce after those of
-// blocks 0..n-1 (2n turns) and wait for their reduction to complete before counting their turn.
+// slot by one bulk reduction. The issuing thread then waits until the previous step's reduction
+// has read its stage, which the next step rewrites (after barriers that order it). Ordered mode:
+// the warpgroups of key block n reduce after those of blocks 0..n-1 (2n turns) and wait for their
+// reduction to complete before counting their turn.
 template <typename Barrier>
 __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq)[kTileRegs],
                                                const int* row_max, float* stage, const DqTarget& at,
                                                int t, int warpgroup, Barrier warpgroup_barrier) {
-  // The previous step's reduction must have read the stage before it is overwritten.
-  if (t == 0) tma_store_wait_read<0>();
-  named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
   float unit[kKeyRows];
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r)
@@ -63,6 +62,7 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   if (p.dq_turns == nullptr) {
     bulk_reduce_add(slot, stage, kDqHalfFloats * sizeof(float));
     tma_store_commit();
+    tma_store_wait_read<kDqStages - 1>();
     return;
   }
   int* turn =

@@ -206,7 +206,7 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   float dq[kTileRegs];
   issue_dq_product<kScore>(dq, sm, warpgroup);
   const DqTarget target{item.begin, item.length, m0, item.head, item.doc, m, item.key_block};
-  add_dq_partial(p, dq, row_max, sm.dq_stage[warpgroup], target, t, warpgroup,
+  add_dq_partial(p, dq, row_max, sm.dq_stage[warpgroup][step % kDqStages], target, t, warpgroup,
                  warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
   if constexpr (kDiagnostics) publish_diagnostics(p.diagnostics, diag);
 }
@@ -222,7 +222,11 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
   for (;;) {
     sm.kv_pipe.consumer_wait(kv_state);
     const WorkItem item = sm.item;
-    if (item.doc < 0) return;
+    if (item.doc < 0) {
+      // Shared memory goes with the CTA: the last dQ reduction must have read its stage.
+      if (threadIdx.x % kWarpgroupThreads == 0) tma_store_wait_read<0>();
+      return;
+    }
     const int64_t begin = p.cu_seqlens[item.doc];
     const int length = int(p.cu_seqlens[item.doc + 1] - begin);
     const int n0 = item.key_block * kBlockN;
