@@ -79,8 +79,8 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
                   "resid max", "Q->0",  "K->0",     "V->0",     "dO->0",     "max P~"};
   vs.title = "GPU vs the emulator with the kernels' tiles (" + tiles(forward_tiles) + ", " +
              tiles(backward_tiles) + "): the kernels compute the emulator's algorithm";
-  vs.columns = {"recipe",    "cos O",   "rL2 O",    "max |dO|", "O equal", "max |dLSE|",
-                "emu rL2 O", "ratio O", "ratio dQ", "ratio dK", "ratio dV"};
+  vs.columns = {"recipe",    "cos O",   "rL2 O",    "max |dO|", "O equal",  "max |dLSE|",
+                "emu rL2 O", "ratio O", "ratio dQ", "ratio dK", "ratio dV", "S differ"};
   for (size_t k = 0; k < recipes.size(); ++k) {
     const Recipe r = recipes[k];
     AttentionOutputs<float> gpu_out;

@@ -21,8 +21,8 @@ struct ProbeRun {
 // (cpu) or every policy the GPU kernels implement with run.recipe (cuda; Error if there is none).
 std::vector<ScalePolicy> resolve_policies(const Problem& problem, const ProbeRun& run);
 
-// One row per policy and control. The cuda backend probes the GPU forward: O and LSE; dQ is
-// reported as not probed (the GPU backward is not built yet).
+// One row per policy and control. The cuda backend probes the GPU training call with the
+// deterministic backward: O, LSE and dQ (dQ not probed with Hadamard rotation: forward only).
 Table probe_table(const Problem& problem, const ProbeRun& run);
 
 }  // namespace flamia::cli

@@ -27,6 +27,7 @@ GpuAttentionOptions gpu_options(const Problem& p, const GpuVariant& v) {
   o.recipe = v.recipe;
   o.policy = v.policy;
   o.hadamard = v.hadamard;
+  o.deterministic = v.deterministic;
   o.attention = p.attention;
   return o;
 }
@@ -60,7 +61,7 @@ std::vector<OptionSpec> problem_options(const std::string& docs, int heads, int 
       {"fwd-tile", "128x128", "emulator forward tile, query rows x keys (cuda: the kernel's)"},
       {"bwd-tile", "64x128", "emulator backward tile, query rows x keys"},
       {"backend", backend,
-       "cpu (the emulator), cuda (the sm_90a forward, next to the emulator with its tiles), or "
+       "cpu (the emulator), cuda (the sm_90a kernels, next to the emulator with their tiles), or "
        "auto (cuda when an sm_90 GPU is present, else cpu)"},
   };
 }
@@ -121,17 +122,6 @@ void require_gpu_support(const Problem& p, const GpuVariant& v) {
   std::string reason;
   if (!gpu_supports(p, v, &reason))
     throw Error("--backend cuda cannot run " + describe(v) + ": " + reason);
-}
-
-AttentionOutputs<float> gpu_forward(const AttentionBatch& batch, const Problem& p,
-                                    const GpuVariant& v) {
-#if defined(FLAMIA_HAVE_CUDA)
-  return forward_gpu_to_host(batch, gpu_options(p, v));
-#else
-  (void)batch;
-  require_gpu_support(p, v);  // throws: no kernels in this build
-  return {};
-#endif
 }
 
 AttentionOutputs<float> gpu_training(const AttentionBatch& batch, const Problem& p,

@@ -29,6 +29,7 @@ struct GpuVariant {
   Recipe recipe = Recipe::kMxfp8;
   ScalePolicy policy = ScalePolicy::kToken;
   bool hadamard = false;
+  bool deterministic = false;  // the backward's ordered dQ reduction (bitwise reproducible)
 };
 
 // Throws Error unless the backend can run `variants`: "cpu" always; "cuda" when flamia was built
@@ -40,9 +41,6 @@ void require_backend(const Problem& p, const std::vector<GpuVariant>& variants);
 bool gpu_supports(const Problem& p, const GpuVariant& v, std::string* reason);
 // Throws Error naming the variant and the reason unless gpu_supports.
 void require_gpu_support(const Problem& p, const GpuVariant& v);
-// The GPU forward of `batch` (flamia/attention_gpu.h): O and LSE; dQ, dK, dV empty. Synchronises.
-AttentionOutputs<float> gpu_forward(const AttentionBatch& batch, const Problem& p,
-                                    const GpuVariant& v);
 // The training call on the GPU (forward, then backward; flamia/attention_gpu.h): O, LSE, dQ, dK,
 // dV, and the backward's statistics in `diagnostics` (its backward fields). With Hadamard
 // rotation (no GPU backward) only the forward runs: dQ, dK, dV stay empty. Synchronises.
