@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bwd_params.h"
 #include "check.h"
 #include "flamia/packed.h"
 #include "gpu_test.h"
@@ -319,6 +320,40 @@ TEST(GpuSchedulerHost, RejectsBadArguments) {
         sm90::max_key_blocks(layout_of(one, 1), {128, 0, true});
       },
       "must be positive");
+}
+
+// The backward's work list (host-built, bwd_params.h): every (document, key/value head, key block)
+// exactly once with its count of visited query tiles, and within a document and head the key
+// blocks in ascending order — the deterministic dQ reduction's turns wait only on earlier items,
+// so a persistent kernel that takes items in list order cannot deadlock.
+void check_backward_work_list(const std::vector<int64_t>& lengths, int heads_kv, bool causal) {
+  const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
+  const PackedLayout layout{cu.data(), int(lengths.size()), int64_t(cu.back()), heads_kv, heads_kv,
+                            128};
+  const std::vector<sm90::bwd::WorkItem> items = sm90::bwd::backward_work_list(layout, causal);
+  std::vector<std::vector<int>> last_block(lengths.size(), std::vector<int>(heads_kv, -1));
+  size_t expected = 0;
+  for (int64_t l : lengths)
+    expected += size_t((l + sm90::bwd::kBlockN - 1) / sm90::bwd::kBlockN) * heads_kv;
+  ASSERT_EQ(items.size(), expected);
+  for (const sm90::bwd::WorkItem& it : items) {
+    ASSERT_GE(it.doc, 0);
+    ASSERT_LT(it.doc, int(lengths.size()));
+    const int64_t length = lengths[size_t(it.doc)];
+    const int tiles = int((length + sm90::bwd::kBlockM - 1) / sm90::bwd::kBlockM);
+    EXPECT_EQ(it.query_tiles, tiles - sm90::bwd::first_query_tile(it.key_block, causal));
+    EXPECT_GT(it.query_tiles, 0);
+    int& last = last_block[size_t(it.doc)][size_t(it.kv_head)];
+    EXPECT_EQ(it.key_block, last + 1) << "document " << it.doc << ", head " << it.kv_head;
+    last = it.key_block;
+  }
+}
+
+TEST(BackwardWorkList, EveryKeyBlockOnceInAscendingOrderPerDocumentAndHead) {
+  check_backward_work_list({4096, 4096, 4096}, 2, true);
+  check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, true);
+  check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, false);
+  check_backward_work_list({0, 0}, 1, true);
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ namespace flamia::sm90::bwd {
 enum class ConsumerBarrier : uint32_t {
   kMaxReady = kFirstNamedBarrier,  // every query's |dS| maximum is in row_max
   kDsReady,                        // the quantized dS tile is in shared memory
-  kWarpgroup0,                     // one warpgroup (the ordered dQ turn)
+  kWarpgroup0,                     // one warpgroup: its dQ stage is written
   kWarpgroup1,
 };
 static_assert(named_barrier_id_valid(ConsumerBarrier::kWarpgroup1), "named barrier ids");

@@ -1,7 +1,8 @@
-// A small wrapper of Hopper's warpgroup MMA (wgmma.mma_async; SASS HGMMA / QGMMA) with both
-// operands in shared memory, K-major, 128-byte swizzled: e4m3 x e4m3 -> f32 (m64nNk32) and
-// bf16 x bf16 -> f32 (m64nNk16) for N in {64, 128, 256}. wgmma is not in cuda::ptx, so this is
-// inline PTX written from the PTX ISA ("Asynchronous Warpgroup Level Matrix Instructions").
+// A small wrapper of Hopper's warpgroup MMA (wgmma.mma_async; SASS HGMMA / QGMMA) with
+// operands in shared memory, K-major, 128- or 64-byte swizzled (or A in registers for e4m3):
+// e4m3 x e4m3 -> f32 (m64nNk32) and bf16 x bf16 -> f32 (m64nNk16) for N in {64, 128, 256}. wgmma is
+// not in cuda::ptx, so this is inline PTX written from the PTX ISA ("Asynchronous Warpgroup Level
+// Matrix Instructions").
 //
 // Usage by the 128 threads of one warpgroup (all four warps execute every call):
 //   fence();  mma_*(acc, desc_a, desc_b, accumulate) ...;  commit();  wait<0>();
