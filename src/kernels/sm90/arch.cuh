@@ -8,6 +8,8 @@ namespace flamia::sm90 {
 constexpr uint32_t kWarpThreads = 32;
 constexpr uint32_t kWarpgroupWarps = 4;  // wgmma and setmaxnreg act on 4 consecutive warps
 constexpr uint32_t kWarpgroupThreads = kWarpThreads * kWarpgroupWarps;
+// The most dynamic shared memory one CTA may opt into on sm_90 (227 KB).
+constexpr uint32_t kMaxDynamicSmemBytes = 227 * 1024;
 
 // Warp-uniform (the shuffle tells the compiler so, which keeps role branches uniform).
 __device__ __forceinline__ uint32_t warp_index() {

@@ -116,6 +116,9 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
 // Dynamic shared memory is only 16 B aligned: allocate slack and align up.
 template <ScoreOperand kScore>
 constexpr size_t kSmemBytes = sizeof(SharedStorage<kScore>) + wgmma::kSw128AtomBytes;
+static_assert(kSmemBytes<ScoreOperand::kE4m3> <= kMaxDynamicSmemBytes &&
+                  kSmemBytes<ScoreOperand::kBf16> <= kMaxDynamicSmemBytes,
+              "shared memory of a CTA");
 
 // kDiagnostics: the statistics build (Params::diagnostics set); the fast path carries none of it.
 template <ScoreOperand kScore, bool kCausal, bool kDiagnostics>

@@ -118,6 +118,9 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
 // Dynamic shared memory is only 16 B aligned: allocate slack and align up.
 template <ScoreOperand kScore>
 constexpr size_t kSmemBytes = sizeof(SharedStorage<kScore>) + wgmma::kSw128AtomBytes;
+static_assert(kSmemBytes<ScoreOperand::kE4m3> <= kMaxDynamicSmemBytes &&
+                  kSmemBytes<ScoreOperand::kBf16> <= kMaxDynamicSmemBytes,
+              "shared memory of a CTA");
 
 template <ScoreOperand kScore, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_constant__ Params p) {
