@@ -3,7 +3,8 @@
 // the heads of a tile adjacent and in order, the counter reset; on one document, many equal ones,
 // hundreds of odd ones, tens of thousands, zero-length and one-token documents, a 1M-token
 // document (with buckets in shared memory and in the workspace), causal and not, two tile heights.
-// Outputs are poisoned first. Host tests cover the counts and the argument checks.
+// Outputs are poisoned first. Host tests cover the counts and the argument checks, the backward's
+// work list and its dQ slot layout.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "gpu_test.h"
 #include "scheduler.h"
 #include "sm90_test_util.h"
+#include "wgmma.cuh"
 
 namespace flamia {
 namespace {
@@ -354,6 +356,24 @@ TEST(BackwardWorkList, EveryKeyBlockOnceInAscendingOrderPerDocumentAndHead) {
   check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, true);
   check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, false);
   check_backward_work_list({0, 0}, 1, true);
+}
+
+// Consumer warpgroup w stages its m64n64 dQ fragment (head-dim columns 64w..) at half w of the
+// slot, dq_fragment_offset; the postprocess reads element (row, col) at dq_slot_offset: the two
+// must be one layout, every offset written once.
+TEST(BackwardDqSlot, StagedFragmentsAreTheSlotLayout) {
+  constexpr int kRegs = sm90::wgmma::acc_regs(sm90::bwd::kHeadDim / 2);
+  std::vector<int> hits(sm90::bwd::kDqSlotFloats, 0);
+  for (int w = 0; w < 2; ++w)
+    for (int t = 0; t < sm90::bwd::kDqFragThreads; ++t)
+      for (int i = 0; i < kRegs; ++i) {
+        const int at = w * sm90::bwd::kDqHalfFloats + sm90::bwd::dq_fragment_offset(t, i);
+        const int col = w * sm90::bwd::kHeadDim / 2 + sm90::wgmma::acc_col(t, i);
+        ASSERT_EQ(at, sm90::bwd::dq_slot_offset(sm90::wgmma::acc_row(t, i), col))
+            << "warpgroup " << w << ", thread " << t << ", register " << i;
+        ++hits[size_t(at)];
+      }
+  EXPECT_TRUE(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
 }
 
 }  // namespace
