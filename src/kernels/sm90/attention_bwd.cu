@@ -80,16 +80,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   if (m.options.hadamard)
     reject("the backward with Hadamard rotation is not built (dQ and dK would need rotating back)");
   const bool qk16 = m.options.recipe == Recipe::kMxfp8Qk16;
-  if (qk16) {
-    require_device_pointer(in.q.data, kDeviceAlignment, "Q (BF16)");
-    require_device_pointer(in.k.data, kDeviceAlignment, "K (BF16)");
-    validate_view("Q", in.q, pl.tokens, pl.heads_q, pl.head_dim);
-    validate_view("K", in.k, pl.tokens, pl.heads_kv, pl.head_dim);
-    for (const auto* v : {&in.q, &in.k})
-      if ((v->stride_token * sizeof(uint16_t)) % kDeviceAlignment != 0 ||
-          (v->stride_head * sizeof(uint16_t)) % kDeviceAlignment != 0)
-        reject("BF16 Q/K token and head strides must be multiples of 16 bytes");
-  }
+  if (qk16) require_bf16_score_operands(in, pl);
   require_codes(quant.q, "Q");
   require_codes(quant.k, "K");
   require_codes(quant.dout, "dO");

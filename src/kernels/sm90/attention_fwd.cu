@@ -75,14 +75,7 @@ void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceQuantize
   const bool qk16 = m.options.recipe == Recipe::kMxfp8Qk16;
   constexpr size_t kAlign = kDeviceAlignment;
   if (qk16) {
-    require_device_pointer(in.q.data, kAlign, "Q (BF16)");
-    require_device_pointer(in.k.data, kAlign, "K (BF16)");
-    validate_view("Q", in.q, pl.tokens, pl.heads_q, pl.head_dim);
-    validate_view("K", in.k, pl.tokens, pl.heads_kv, pl.head_dim);
-    for (const auto* v : {&in.q, &in.k})
-      if ((v->stride_token * sizeof(uint16_t)) % kAlign != 0 ||
-          (v->stride_head * sizeof(uint16_t)) % kAlign != 0)
-        reject("BF16 Q/K token and head strides must be multiples of 16 bytes");
+    require_bf16_score_operands(in, pl);
   } else {
     require_device_pointer(quant.q.codes, kAlign, "Q codes");
     require_device_pointer(quant.k.codes, kAlign, "K codes");

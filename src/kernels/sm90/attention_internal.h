@@ -48,6 +48,19 @@ inline void require_bf16_output(const TokenTensor<uint16_t>& v, const PackedLayo
     reject(name + "'s token and head strides must be even (pairs of BF16 go out as one store)");
 }
 
+// mxfp8-qk16's score operands: the BF16 Q and K views, read by TMA (16-byte aligned base and
+// strides).
+inline void require_bf16_score_operands(const DeviceAttentionInputs& in, const PackedLayout& pl) {
+  require_device_pointer(in.q.data, kDeviceAlignment, "Q (BF16)");
+  require_device_pointer(in.k.data, kDeviceAlignment, "K (BF16)");
+  validate_view("Q", in.q, pl.tokens, pl.heads_q, pl.head_dim);
+  validate_view("K", in.k, pl.tokens, pl.heads_kv, pl.head_dim);
+  for (const auto* v : {&in.q, &in.k})
+    if ((v->stride_token * sizeof(uint16_t)) % kDeviceAlignment != 0 ||
+        (v->stride_head * sizeof(uint16_t)) % kDeviceAlignment != 0)
+      reject("BF16 Q/K token and head strides must be multiples of 16 bytes");
+}
+
 // E4M3 codes [T][H][D]: one 128-byte row per token and head, boxes of `rows` tokens.
 inline CUtensorMap codes_map(const uint8_t* codes, int64_t tokens, int heads, int rows) {
   return sm90::make_tensor_map_3d(

@@ -124,10 +124,7 @@ static_assert(kSmemBytes<ScoreOperand::kE4m3> <= kMaxDynamicSmemBytes &&
 template <ScoreOperand kScore, bool kCausal, bool kDiagnostics>
 __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t misalign =
-      static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) % wgmma::kSw128AtomBytes;
-  SharedStorage<kScore>& sm = *reinterpret_cast<SharedStorage<kScore>*>(
-      smem_raw + (wgmma::kSw128AtomBytes - misalign) % wgmma::kSw128AtomBytes);
+  SharedStorage<kScore>& sm = wgmma::sw128_aligned_storage<SharedStorage<kScore>>(smem_raw);
   if (threadIdx.x == 0) {
     sm.kv_pipe.init(kKeyBlockArrivals, kConsumerWarps);
     sm.q_pipe.init(kStepArrivals, kConsumerWarps);

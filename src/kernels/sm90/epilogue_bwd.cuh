@@ -55,18 +55,16 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   fence_async_shared();
   named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
   if (t != 0) return;
-  float* slot =
-      p.dq_accum +
-      (int64_t(at.head) * p.dq_slots + dq_tile_slot(at.begin, at.doc, at.q_tile)) * kDqSlotFloats +
-      warpgroup * kDqHalfFloats;
+  const int64_t slot_index =
+      int64_t(at.head) * p.dq_slots + dq_tile_slot(at.begin, at.doc, at.q_tile);
+  float* slot = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;
   if (p.dq_turns == nullptr) {
     bulk_reduce_add(slot, stage, kDqHalfFloats * sizeof(float));
     tma_store_commit();
     tma_store_wait_read<kDqStages - 1>();
     return;
   }
-  int* turn =
-      p.dq_turns + int64_t(at.head) * p.dq_slots + dq_tile_slot(at.begin, at.doc, at.q_tile);
+  int* turn = p.dq_turns + slot_index;
   while (load_acquire(turn) < 2 * at.key_block) {
   }
   fence_proxy_async_global();

@@ -70,6 +70,16 @@ __host__ __device__ constexpr uint32_t sw64_offset(uint32_t row, uint32_t byte_i
          byte_in_row % kSw128ChunkBytes;
 }
 
+// A kernel's shared storage at the first kSw128AtomBytes boundary of its dynamic shared memory
+// (which is only 16 B aligned; the kernel allocates kSw128AtomBytes of slack). Aligned by pointer
+// arithmetic on `raw` (not through an integer), so the compiler still knows every access is to
+// shared memory and emits LDS/STS rather than generic loads.
+template <typename Storage>
+__device__ __forceinline__ Storage& sw128_aligned_storage(uint8_t* raw) {
+  const uint32_t misalign = static_cast<uint32_t>(__cvta_generic_to_shared(raw)) % kSw128AtomBytes;
+  return *reinterpret_cast<Storage*>(raw + (kSw128AtomBytes - misalign) % kSw128AtomBytes);
+}
+
 // Descriptor of a K-major 128B-swizzled tile whose base is kSw128AtomBytes-aligned (so the base
 // offset field is 0): 8-row groups sit kSw128AtomBytes apart.
 __device__ __forceinline__ uint64_t make_desc_sw128(const void* smem_tile) {
