@@ -21,8 +21,14 @@ std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal
       for (int block = 0; block < blocks; ++block)
         items.push_back({doc, block, head, tiles - first_query_tile(block, causal)});
   }
-  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
-    return a.query_tiles > b.query_tiles;
+  // Longest documents first, each document's (head, key block) items together: the CTAs running
+  // at one time then share a few documents' query tiles in L2 instead of streaming one each, and
+  // a document's key blocks stay in ascending order, longest first.
+  const auto doc_tiles = [&](const WorkItem& w) {
+    return (layout.doc_length(w.doc) + kBlockM - 1) / kBlockM;
+  };
+  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
+    return doc_tiles(a) > doc_tiles(b);
   });
   return items;
 }

@@ -36,9 +36,10 @@ FLAMIA_HD int32_t first_query_tile(int32_t key_block, bool causal) {
   return causal ? key_block * (kBlockN / kBlockM) : 0;
 }
 
-// Host: the work list of a validated layout, longest first; ties keep (document, key/value head,
-// key block) order, so a key block always comes after the lower ones of its document and head —
-// what the deterministic dQ reduction's ordered turns rely on to be free of deadlock.
+// Host: the work list of a validated layout: documents longest first, each document's items in
+// (key/value head, key block) order, so a key block always comes after the lower ones of its
+// document and head — what the deterministic dQ reduction's ordered turns rely on to be free of
+// deadlock.
 std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal);
 
 // The FP32 dQ accumulator and the deterministic mode's turn counters hold one slot per (query
