@@ -25,9 +25,10 @@ const char* kExplanation = R"(What the tables show
   `token` policy (one exponent per token) never leaks; `block32` (FLAMIA's 32-token blocks) leaks
   only inside its 31-token residue ("reach"); `tensor`, `floor` and `vgroup16` are the leaky
   baselines.
-- With --backend cuda, the [cuda] rows are the GPU forward (O and LSE; the GPU backward is not
-  built yet), a third table compares it with the emulator run with the kernel's tiles, and the
-  probe runs the GPU forward.
+- With --backend cuda, the [cuda] rows are the GPU training call (forward, then backward: O, LSE,
+  dQ, dK, dV), a third table compares it with the emulator run with the kernels' tiles (and counts
+  the scores whose backward recomputation differs bitwise from the forward's), and the probe runs
+  the training call with the deterministic backward, so dQ is probed too.
 )";
 
 }  // namespace
@@ -39,7 +40,7 @@ int cmd_demo(int argc, char** argv, int first) {
   Args args("demo",
             "Accuracy of every recipe against FP64 and the causal-leakage probe of every scale "
             "policy on a small packed batch (documents of 300, 77 and 650 tokens), then what the "
-            "tables show. With a Hopper GPU present it runs the GPU forward (the recipes and "
+            "tables show. With a Hopper GPU present it runs the GPU training call (the recipes and "
             "policies the kernels implement) next to the emulator; --backend cpu forces the "
             "emulator alone.",
             specs, argc, argv, first);
