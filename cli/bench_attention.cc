@@ -333,7 +333,9 @@ class Runner {
     const bench::SdpaProblem p = problem_of(w);
     Buffers b = make_buffers(w, p, seed, stream_);
     run_bf16(r, p, b, seed);
+    require_intact_cu_seqlens(w, b, "the cuDNN BF16 stages");
     run_fp8(r, p, b, seed);
+    require_intact_cu_seqlens(w, b, "the cuDNN FP8 stages");
     run_flamia(r, b);
     return r;
   }
@@ -362,6 +364,13 @@ class Runner {
     out.bwd_ms = bwd.median_ms;
     out.call_ms = call.median_ms;
     r.peers.push_back(out);
+  }
+
+  // flamia's stages read the device cu_seqlens the peers never should write: a stray write there
+  // would otherwise surface later as a fault inside flamia's kernels.
+  static void require_intact_cu_seqlens(const Workload& w, const Buffers& b, const char* after) {
+    if (b.cu_seqlens.download<int32_t>() != cu_seqlens_from_lengths(w.docs))
+      throw Error(w.name + ": the device cu_seqlens changed during " + after);
   }
 
   // Progress on stderr, so a slow or stuck stage shows where it is.

@@ -202,8 +202,11 @@ TEST(ScaleExponent, E4m3FastFormEqualsTheRule) {
   auto check = [&](uint32_t bits) {
     const float a = bits_to_float(bits);
     ++checked;
-    if (scale_exponent_up_e4m3(a) != scale_exponent_up(a, e4m3::kMax) && ++mismatched <= 5)
+    const int rule = scale_exponent_up(a, e4m3::kMax);
+    if (scale_exponent_up_e4m3(a) != rule && ++mismatched <= 5)
       ADD_FAILURE() << "amax bits " << std::hex << bits;
+    if (float_to_bits(inverse_scale_e4m3(a)) != float_to_bits(exp2i(-rule)) && ++mismatched <= 5)
+      ADD_FAILURE() << "inverse scale, amax bits " << std::hex << bits;
   };
   for (uint32_t exp = 0; exp < 255; ++exp)
     for (uint32_t mant : {0u, 1u, 0x5FFFFFu, 0x600000u, 0x600001u, 0x7FFFFFu})

@@ -234,6 +234,21 @@ FLAMIA_HD int scale_exponent_up_e4m3(float amax) {
   return bits == 0 ? kZeroGroupExponent : clamped;
 }
 
+// 2^-scale_exponent_up_e4m3(amax), the multiplier that quantizes by that scale, in four integer
+// operations: adding kCarry to amax's bits carries into the exponent field exactly when the
+// mantissa exceeds 0.75, so the field is that of 2^(e + 135); 2^-e's field is then 262 minus it,
+// and the clamp e >= -127 is a floor of 8 on the field (2^127 stays a normal float).
+FLAMIA_HD float inverse_scale_e4m3(float amax) {
+  constexpr uint32_t kCarry = 0x1FFFFF;  // 0x600000 + kCarry = 0x7FFFFF: 1.75 itself stays
+  constexpr uint32_t kShift = uint32_t(kFloatBias + e4m3::kMaxExponent);       // e + 135 = field
+  constexpr uint32_t kMinField = uint32_t(ue8m0::kMinExponent + int(kShift));  // e = -127
+  constexpr uint32_t kInverseBias = uint32_t(kFloatBias) + kShift;             // 262
+  const uint32_t bits = float_to_bits(amax);
+  uint32_t field = (bits + kCarry) >> kFloatMantissaBits;
+  field = field < kMinField ? kMinField : field;
+  return bits == 0 ? 1.0f : bits_to_float((kInverseBias - field) << kFloatMantissaBits);
+}
+
 // Baseline "floor" rule: the exponent that puts amax's leading bit at E4M3's largest binade, so
 // amax / 2^e lies in [256, 512) and values above 448 clamp.
 FLAMIA_HD int scale_exponent_floor(float amax) {

@@ -211,6 +211,13 @@ AttentionInputs forward_only(const AttentionBatch& b) {
 
 constexpr uint64_t kAllFloats = 1ull << 32;
 
+// A sweep kernel's counters: how many cases mismatch, and the first one.
+__device__ void record_mismatch(unsigned long long* mismatches, unsigned long long* first,
+                                uint64_t i) {
+  atomicAdd(mismatches, 1ull);
+  atomicMin(first, static_cast<unsigned long long>(i));
+}
+
 __global__ void compare_e4m3_conversion(unsigned long long* mismatches, unsigned long long* first) {
   for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < kAllFloats;
        i += uint64_t(gridDim.x) * blockDim.x) {
@@ -218,10 +225,7 @@ __global__ void compare_e4m3_conversion(unsigned long long* mismatches, unsigned
     if (!is_finite_float(x)) continue;  // the quantizer converts finite values only
     const uint32_t hw = sm90::e4m3x2_rn_satfinite(x, -x);
     const uint32_t sw = e4m3::encode(x) | uint32_t(e4m3::encode(-x)) << 8;
-    if (hw != sw) {
-      atomicAdd(mismatches, 1ull);
-      atomicMin(first, static_cast<unsigned long long>(i));
-    }
+    if (hw != sw) record_mismatch(mismatches, first, i);
   }
 }
 
@@ -246,6 +250,28 @@ TEST(GpuQuantizeFormats, HardwareE4M3ConversionEqualsEncodeOnEveryFiniteFloat) {
   EXPECT_EQ(got[0], 0u) << "first mismatch at float bits 0x" << std::hex << got[1];
 }
 
+// The backward preprocess decodes dO's codes in hardware: every pair of codes (NaN codes as NaN)
+// against formats.h.
+constexpr uint64_t kAllCodePairs = 1u << 16;
+__global__ void compare_e4m3_decode(unsigned long long* mismatches, unsigned long long* first) {
+  for (uint64_t i = blockIdx.x * uint64_t(blockDim.x) + threadIdx.x; i < kAllCodePairs;
+       i += uint64_t(gridDim.x) * blockDim.x) {
+    const float2 hw = sm90::e4m3x2_to_float2(uint16_t(i));
+    const float sw[2] = {e4m3::decode(uint8_t(i)), e4m3::decode(uint8_t(i >> 8))};
+    const float got[2] = {hw.x, hw.y};
+    bool same = true;
+    for (int h = 0; h < 2; ++h)
+      same &= sw[h] != sw[h] ? got[h] != got[h] : __float_as_uint(got[h]) == __float_as_uint(sw[h]);
+    if (!same) record_mismatch(mismatches, first, i);
+  }
+}
+
+TEST(GpuQuantizeFormats, HardwareE4M3DecodeEqualsDecodeOnEveryCodePair) {
+  FLAMIA_REQUIRE_GPU();
+  const std::vector<unsigned long long> got = run_sweep(compare_e4m3_decode);
+  EXPECT_EQ(got[0], 0u) << "first mismatch at code pair 0x" << std::hex << got[1];
+}
+
 // The quantizer's E2M1 encoders (three comparisons instead of seven) against formats.h: every
 // finite BF16 value (every tie of an E2M1 midpoint with these scales is one) times every scale
 // exponent, for vgroup16's 2^e scales (s == 0 below) and every NVFP4 local scale s * 2^e.
@@ -268,10 +294,7 @@ __global__ void compare_e2m1_encoders(unsigned long long* mismatches, unsigned l
       const float scale = __fmul_rn(e4m3::decode(s), exp2i(e));
       same = sm90::quant::e2m1_encode(x, scale) == e2m1::encode_scaled(x, scale);
     }
-    if (!same) {
-      atomicAdd(mismatches, 1ull);
-      atomicMin(first, static_cast<unsigned long long>(i));
-    }
+    if (!same) record_mismatch(mismatches, first, i);
   }
 }
 

@@ -328,11 +328,13 @@ TEST(GpuSchedulerHost, RejectsBadArguments) {
 // exactly once with its count of visited query tiles, and within a document and head the key
 // blocks in ascending order — the deterministic dQ reduction's turns wait only on earlier items,
 // so a persistent kernel that takes items in list order cannot deadlock.
-void check_backward_work_list(const std::vector<int64_t>& lengths, int heads_kv, bool causal) {
+void check_backward_work_list(const std::vector<int64_t>& lengths, int heads_kv, bool causal,
+                              bool deterministic) {
   const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
   const PackedLayout layout{cu.data(), int(lengths.size()), int64_t(cu.back()), heads_kv, heads_kv,
                             128};
-  const std::vector<sm90::bwd::WorkItem> items = sm90::bwd::backward_work_list(layout, causal);
+  const std::vector<sm90::bwd::WorkItem> items =
+      sm90::bwd::backward_work_list(layout, causal, deterministic);
   std::vector<std::vector<int>> last_block(lengths.size(), std::vector<int>(heads_kv, -1));
   size_t expected = 0;
   for (int64_t l : lengths)
@@ -352,15 +354,17 @@ void check_backward_work_list(const std::vector<int64_t>& lengths, int heads_kv,
 }
 
 TEST(BackwardWorkList, EveryKeyBlockOnceInAscendingOrderPerDocumentAndHead) {
-  check_backward_work_list({4096, 4096, 4096}, 2, true);
-  check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, true);
-  check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, false);
-  check_backward_work_list({0, 0}, 1, true);
+  for (bool deterministic : {false, true}) {
+    check_backward_work_list({4096, 4096, 4096}, 2, true, deterministic);
+    check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, true, deterministic);
+    check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, false, deterministic);
+    check_backward_work_list({0, 0}, 1, true, deterministic);
+  }
 }
 
 // Consumer warpgroup w stages its m64n64 dQ fragment (head-dim columns 64w..) at half w of the
-// slot, dq_fragment_offset; the postprocess reads element (row, col) at dq_slot_offset: the two
-// must be one layout, every offset written once.
+// slot, dq_fragment_offset, each warp's part contiguous; the postprocess reads element (row, col)
+// at dq_slot_offset: the two must be one layout, every offset written once.
 TEST(BackwardDqSlot, StagedFragmentsAreTheSlotLayout) {
   constexpr int kRegs = sm90::wgmma::acc_regs(sm90::bwd::kHeadDim / 2);
   std::vector<int> hits(sm90::bwd::kDqSlotFloats, 0);
@@ -371,9 +375,20 @@ TEST(BackwardDqSlot, StagedFragmentsAreTheSlotLayout) {
         const int col = w * sm90::bwd::kHeadDim / 2 + sm90::wgmma::acc_col(t, i);
         ASSERT_EQ(at, sm90::bwd::dq_slot_offset(sm90::wgmma::acc_row(t, i), col))
             << "warpgroup " << w << ", thread " << t << ", register " << i;
+        // Each warp's bulk reduction covers its own contiguous kDqWarpFloats.
+        ASSERT_EQ((at - w * sm90::bwd::kDqHalfFloats) / sm90::bwd::kDqWarpFloats,
+                  t / sm90::bwd::kDqLanes)
+            << "warpgroup " << w << ", thread " << t << ", register " << i;
         ++hits[size_t(at)];
       }
   EXPECT_TRUE(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
+  // The postprocess walks the slot by float4: dq_slot_quad inverts dq_slot_offset.
+  for (int at = 0; at < sm90::bwd::kDqSlotFloats; at += 4) {
+    const sm90::bwd::DqQuad quad = sm90::bwd::dq_slot_quad(at);
+    for (int e = 0; e < 4; ++e)
+      ASSERT_EQ(sm90::bwd::dq_slot_offset(quad.row + 8 * (e / 2), quad.col + e % 2), at + e)
+          << "offset " << at << ", element " << e;
+  }
 }
 
 }  // namespace

@@ -11,7 +11,8 @@
 namespace flamia {
 namespace sm90::bwd {
 
-std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal) {
+std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal,
+                                         bool deterministic) {
   std::vector<WorkItem> items;
   for (int doc = 0; doc < layout.num_docs; ++doc) {
     const int length = int(layout.doc_length(doc));
@@ -21,9 +22,16 @@ std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal
       for (int block = 0; block < blocks; ++block)
         items.push_back({doc, block, head, tiles - first_query_tile(block, causal)});
   }
+  if (deterministic) {
+    // Longest items first: the CTAs running at one time hold the same key blocks of different
+    // (document, head) pairs, so none waits for another's ordered dQ turn.
+    std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+      return a.query_tiles > b.query_tiles;
+    });
+    return items;
+  }
   // Longest documents first, each document's (head, key block) items together: the CTAs running
-  // at one time then share a few documents' query tiles in L2 instead of streaming one each, and
-  // a document's key blocks stay in ascending order, longest first.
+  // at one time then share a few documents' query tiles in L2 instead of streaming one each.
   const auto doc_tiles = [&](const WorkItem& w) {
     return (layout.doc_length(w.doc) + kBlockM - 1) / kBlockM;
   };
@@ -104,7 +112,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   if (!m.backward) {
     auto b = std::make_unique<BackwardState>();
     const std::vector<sm90::bwd::WorkItem> items =
-        sm90::bwd::backward_work_list(pl, m.options.attention.causal);
+        sm90::bwd::backward_work_list(pl, m.options.attention.causal, m.options.deterministic);
     if (items.size() > size_t(INT32_MAX)) reject("too many backward work items");
     b->num_items = int(items.size());
     b->ctas = std::min(b->num_items, multiprocessors());

@@ -36,11 +36,13 @@ FLAMIA_HD int32_t first_query_tile(int32_t key_block, bool causal) {
   return causal ? key_block * (kBlockN / kBlockM) : 0;
 }
 
-// Host: the work list of a validated layout: documents longest first, each document's items in
-// (key/value head, key block) order, so a key block always comes after the lower ones of its
-// document and head — what the deterministic dQ reduction's ordered turns rely on to be free of
-// deadlock.
-std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal);
+// Host: the work list of a validated layout. Default: documents longest first, each document's
+// items in (key/value head, key block) order (L2 locality). Deterministic: items longest first,
+// ties in (document, head, key block) order (no concurrent CTA waits on another's dQ turn). In
+// both a key block comes after the lower ones of its document and head — what the ordered turns
+// rely on to be free of deadlock.
+std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal,
+                                         bool deterministic);
 
 // The FP32 dQ accumulator and the deterministic mode's turn counters hold one slot per (query
 // head, query tile of a document); the tiles of document b start at slot (cu_seqlens[b] + b *
@@ -53,14 +55,20 @@ inline int64_t dq_tile_slots(int64_t tokens, int num_docs) {
 }
 
 // A slot is a query tile's dQ [kBlockM][kHeadDim] as two halves of kHeadDim / 2 columns (one per
-// consumer warpgroup, each added by one bulk reduction), each in the order of the warpgroup's
-// m64n64 accumulator fragment: register i of thread t at (i / 4) * 4 * 128 + 4 t + i % 4, so that
-// the threads' 16-byte shared stores of it are free of bank conflicts.
+// consumer warpgroup), each in the order of the warpgroup's m64n64 accumulator fragment, warp by
+// warp: register i of lane l of warp w at w * kDqWarpFloats + (i / 4) * 128 + 4 l + i % 4. Each
+// warp's part is contiguous, so it can go to the accumulator in one bulk reduction of its own with
+// no wait for the other warps (and a half is contiguous too), and the lanes' 16-byte shared
+// stores are free of bank conflicts.
 constexpr int kDqHalfFloats = kBlockM * kHeadDim / 2;
 constexpr int kDqSlotFloats = 2 * kDqHalfFloats;
 constexpr int kDqFragThreads = 128;  // one warpgroup
+constexpr int kDqLanes = 32;         // one warp
+constexpr int kDqWarpFloats = kDqHalfFloats / (kDqFragThreads / kDqLanes);
+constexpr int kOrderedTurnsPerKeyBlock = 2;  // ordered mode: one reduction per warpgroup
 FLAMIA_HD int dq_fragment_offset(int thread, int reg) {
-  return (reg / 4) * 4 * kDqFragThreads + 4 * thread + reg % 4;
+  return (thread / kDqLanes) * kDqWarpFloats + (reg / 4) * 4 * kDqLanes + 4 * (thread % kDqLanes) +
+         reg % 4;
 }
 // The offset in its slot of dQ row `row`, column `col` (wgmma::acc_row / acc_col inverted).
 FLAMIA_HD int dq_slot_offset(int row, int col) {
@@ -69,6 +77,20 @@ FLAMIA_HD int dq_slot_offset(int row, int col) {
   const int thread = 32 * warp + 4 * (r % 8) + (c % 8) / 2;
   const int reg = 4 * (c / 8) + 2 * (r / 8) + c % 2;
   return half * kDqHalfFloats + dq_fragment_offset(thread, reg);
+}
+
+// The inverse of dq_slot_offset for a float4 of a slot (offset a multiple of 4): its first
+// element's row and column; its four elements are (row, col), (row, col + 1), (row + 8, col) and
+// (row + 8, col + 1).
+struct DqQuad {
+  int row, col;
+};
+FLAMIA_HD DqQuad dq_slot_quad(int offset) {
+  constexpr int kGroupFloats = 4 * kDqLanes;  // one register group of a warp
+  const int half = offset / kDqHalfFloats, in_half = offset % kDqHalfFloats;
+  const int warp = in_half / kDqWarpFloats, in_warp = in_half % kDqWarpFloats;
+  const int group = in_warp / kGroupFloats, lane = in_warp % kGroupFloats / 4;
+  return {16 * warp + lane / 4, half * (kHeadDim / 2) + 8 * group + 2 * (lane % 4)};
 }
 
 // DESIGN §4's backward statistics, gathered when Params::diagnostics is set (the emulator's

@@ -1,4 +1,5 @@
-// The backward's preprocess (D and the cleared dQ accumulator) and postprocess (dQ to BF16).
+// The backward's preprocess (D; the host clears the dQ accumulator beside it) and postprocess
+// (dQ to BF16).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -7,70 +8,92 @@
 #include "bwd_params.h"
 #include "check.h"
 #include "flamia/formats.h"
+#include "fp8_convert.cuh"
 
 namespace flamia::sm90::bwd {
 namespace {
 
-constexpr int kRowsPerBlock = 8;  // one warp per (token, query head) row
-constexpr int kLaneElems = kHeadDim / int(kWarpThreads);
-static_assert(kLaneElems == 4, "a lane reads 4 codes and 4 BF16 values");
+// Preprocess: 8 lanes per (token, query head) row, 4 rows per warp. Lane j of a row takes the
+// row's elements 4j + 32k .. 4j + 32k + 3 for k = 0..3, so each of its four loads is, over the
+// row's lanes, one contiguous 32-byte run of codes and 64-byte run of O.
+constexpr int kPreThreads = 256;
+constexpr int kLanesPerRow = 8;
+constexpr int kRowsPerBlock = kPreThreads / kLanesPerRow;
+constexpr int kQuadElems = 4;                                          // per load
+constexpr int kQuadsPerLane = kHeadDim / (kLanesPerRow * kQuadElems);  // 4
+constexpr int kQuadStride = kLanesPerRow * kQuadElems;                 // elements between them
+static_assert(kQuadsPerLane * kQuadStride == kHeadDim, "the row's lanes cover the head dim");
 
-// D_i = sum_d (dO code_id * 2^e_dO(i)) * O_id, the values dP uses times the forward's O; the
-// warp reduces in a fixed tree, so D is the same on every run.
-__global__ void __launch_bounds__(kRowsPerBlock* kWarpThreads)
+// D_i = sum_d (dO code_id * 2^e_dO(i)) * O_id, the values dP uses times the forward's O; every
+// lane sums its 16 products in order and the row's lanes reduce in a fixed tree, so D is the same
+// on every run.
+__global__ void __launch_bounds__(kPreThreads)
     preprocess_kernel(const __grid_constant__ PreprocessParams p) {
-  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarpThreads;
-  if (row >= p.tokens * p.heads_q) return;
-  const int lane = int(threadIdx.x % kWarpThreads);
-  const int64_t token = row / p.heads_q;
-  const int head = int(row % p.heads_q);
-  const float unit =
-      exp2i(int(p.dout_exponents[int64_t(head) * p.tokens_padded + token]) - ue8m0::kBias);
-  const uint32_t codes =
-      *reinterpret_cast<const uint32_t*>(p.dout_codes + row * kHeadDim + kLaneElems * lane);
-  const uint16_t* o = p.o + token * p.o_stride_token + head * p.o_stride_head + kLaneElems * lane;
-  const uint2 o_bits = *reinterpret_cast<const uint2*>(o);
-  const uint16_t ob[kLaneElems] = {uint16_t(o_bits.x), uint16_t(o_bits.x >> 16), uint16_t(o_bits.y),
-                                   uint16_t(o_bits.y >> 16)};
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanesPerRow;
+  const int part = int(threadIdx.x % kLanesPerRow);
+  const bool active = row < p.tokens * p.heads_q;
+  const int64_t token = active ? row / p.heads_q : 0;
+  const int head = active ? int(row % p.heads_q) : 0;
   float sum = 0.0f;
+  if (active) {
+    const float unit =
+        exp2i(int(p.dout_exponents[int64_t(head) * p.tokens_padded + token]) - ue8m0::kBias);
+    const uint8_t* codes = p.dout_codes + row * kHeadDim + kQuadElems * part;
+    const uint16_t* o = p.o + token * p.o_stride_token + head * p.o_stride_head + kQuadElems * part;
 #pragma unroll
-  for (int e = 0; e < kLaneElems; ++e)
-    sum += (e4m3::decode(uint8_t(codes >> (8 * e))) * unit) * bf16::decode(ob[e]);
+    for (int k = 0; k < kQuadsPerLane; ++k) {
+      const uint32_t c = *reinterpret_cast<const uint32_t*>(codes + k * kQuadStride);
+      const uint2 ob = *reinterpret_cast<const uint2*>(o + k * kQuadStride);
+      const float2 d01 = e4m3x2_to_float2(uint16_t(c)), d23 = e4m3x2_to_float2(uint16_t(c >> 16));
+      sum += (d01.x * unit) * bf16::decode(uint16_t(ob.x));
+      sum += (d01.y * unit) * bf16::decode(uint16_t(ob.x >> 16));
+      sum += (d23.x * unit) * bf16::decode(uint16_t(ob.y));
+      sum += (d23.y * unit) * bf16::decode(uint16_t(ob.y >> 16));
+    }
+  }
 #pragma unroll
-  for (int d = int(kWarpThreads) / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, d);
-  if (lane == 0) p.delta[int64_t(head) * p.tokens + token] = sum;
+  for (int d = kLanesPerRow / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, d);
+  if (active && part == 0) p.delta[int64_t(head) * p.tokens + token] = sum;
 }
 
+// Postprocess: one CTA per (query head, dQ slot); each thread converts float4s of the slot (one
+// coalesced 16-byte load each, dq_slot_quad's four elements) to two BF16 pairs, for the rows of
+// the slot's query tile inside its document.
 constexpr int kPostThreads = 256;
-constexpr int kPairsPerRow = kHeadDim / 2;
+constexpr int kSlotQuads = kDqSlotFloats / 4;
 
 __global__ void __launch_bounds__(kPostThreads)
     postprocess_kernel(const __grid_constant__ PostprocessParams p) {
-  const int64_t pair = int64_t(blockIdx.x) * kPostThreads + threadIdx.x;
-  if (pair >= p.tokens * p.heads_q * kPairsPerRow) return;
-  const int64_t row = pair / kPairsPerRow;
-  const int d = 2 * int(pair % kPairsPerRow);
-  const int64_t token = row / p.heads_q;
-  const int head = int(row % p.heads_q);
-  // The token's document: the last one starting at or before it (zero-length ones skipped).
+  const int64_t slot = blockIdx.x % p.dq_slots;
+  const int head = int(blockIdx.x / p.dq_slots);
+  // The slot's document: the last one whose first slot is at or before it.
   int lo = 0, hi = p.num_docs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (p.cu_seqlens[mid] <= token)
+    if (dq_tile_slot(p.cu_seqlens[mid], mid, 0) <= slot)
       lo = mid;
     else
       hi = mid - 1;
   }
   const int64_t begin = p.cu_seqlens[lo];
-  const int r = int(token - begin);
-  const float* slot =
-      p.dq_accum +
-      (int64_t(head) * p.dq_slots + dq_tile_slot(begin, lo, r / kBlockM)) * kDqSlotFloats;
-  // Columns d and d + 1 sit in consecutive registers of one thread.
-  const float2 acc =
-      make_float2(slot[dq_slot_offset(r % kBlockM, d)], slot[dq_slot_offset(r % kBlockM, d + 1)]);
-  *reinterpret_cast<__nv_bfloat162*>(p.dq + token * p.dq_stride_token + head * p.dq_stride_head +
-                                     d) = __floats2bfloat162_rn(acc.x * p.scale, acc.y * p.scale);
+  const int length = int(p.cu_seqlens[lo + 1] - begin);
+  const int first_row = int(slot - dq_tile_slot(begin, lo, 0)) * kBlockM;
+  if (first_row >= length) return;  // a slot between documents
+  const float4* in = reinterpret_cast<const float4*>(
+      p.dq_accum + (int64_t(head) * p.dq_slots + slot) * kDqSlotFloats);
+  for (int i = int(threadIdx.x); i < kSlotQuads; i += kPostThreads) {
+    const float4 acc = in[i];
+    const DqQuad at = dq_slot_quad(4 * i);
+    const float pair[2][2] = {{acc.x, acc.y}, {acc.z, acc.w}};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = first_row + at.row + 8 * h;
+      if (r >= length) continue;
+      *reinterpret_cast<__nv_bfloat162*>(p.dq + (begin + r) * p.dq_stride_token +
+                                         head * p.dq_stride_head + at.col) =
+          __floats2bfloat162_rn(pair[h][0] * p.scale, pair[h][1] * p.scale);
+    }
+  }
 }
 
 }  // namespace
@@ -78,16 +101,15 @@ __global__ void __launch_bounds__(kPostThreads)
 void launch_preprocess(const PreprocessParams& p, cudaStream_t stream) {
   const int64_t rows = p.tokens * p.heads_q;
   if (rows == 0) return;
-  preprocess_kernel<<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock),
-                      kRowsPerBlock * kWarpThreads, 0, stream>>>(p);
+  preprocess_kernel<<<unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock), kPreThreads, 0,
+                      stream>>>(p);
   FLAMIA_CUDA_CHECK_LAUNCH();
 }
 
 void launch_postprocess(const PostprocessParams& p, cudaStream_t stream) {
-  const int64_t pairs = p.tokens * p.heads_q * kPairsPerRow;
-  if (pairs == 0) return;
-  postprocess_kernel<<<unsigned((pairs + kPostThreads - 1) / kPostThreads), kPostThreads, 0,
-                       stream>>>(p);
+  const int64_t blocks = p.dq_slots * p.heads_q;
+  if (p.tokens == 0 || blocks == 0) return;
+  postprocess_kernel<<<unsigned(blocks), kPostThreads, 0, stream>>>(p);
   FLAMIA_CUDA_CHECK_LAUNCH();
 }
 

@@ -36,10 +36,12 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 
 // The warpgroup's dQ partial (queries x its 64 head-dim columns) times 2^er per row, er from the
 // step's query maxima, staged in shared memory in fragment order and added to the accumulator's
-// slot by one bulk reduction. The issuing thread then waits until the previous step's reduction
-// has read its stage, which the next step rewrites (after barriers that order it). Ordered mode:
-// the warpgroups of key block n reduce after those of blocks 0..n-1 (2n turns) and wait for their
-// reduction to complete before counting their turn.
+// slot by bulk reductions. Unordered: each warp adds its contiguous part as soon as its own stores
+// are done, issued by its first lane, which then waits until the previous step's reduction has
+// read its stage (the next step rewrites it, after barriers that order it). Ordered mode: one
+// reduction of the whole half per warpgroup, after those of key blocks 0..n-1 (2n turns), waited
+// for before the turn is counted; per warp, the turns would serialise four times as many round
+// trips.
 template <typename Barrier>
 __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq)[kTileRegs],
                                                const int* row_max, float* stage, const DqTarget& at,
@@ -53,22 +55,25 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
     *reinterpret_cast<float4*>(stage + dq_fragment_offset(t, i)) =
         make_float4(dq[i] * unit[0], dq[i + 1] * unit[0], dq[i + 2] * unit[1], dq[i + 3] * unit[1]);
   fence_async_shared();
-  named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
-  if (t != 0) return;
   const int64_t slot_index =
       int64_t(at.head) * p.dq_slots + dq_tile_slot(at.begin, at.doc, at.q_tile);
-  float* slot = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;
+  float* half = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;
   if (p.dq_turns == nullptr) {
-    bulk_reduce_add(slot, stage, kDqHalfFloats * sizeof(float));
+    __syncwarp();
+    if (lane_index() != 0) return;
+    const int part = (t / kDqLanes) * kDqWarpFloats;
+    bulk_reduce_add(half + part, stage + part, kDqWarpFloats * sizeof(float));
     tma_store_commit();
     tma_store_wait_read<kDqStages - 1>();
     return;
   }
+  named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
+  if (t != 0) return;
   int* turn = p.dq_turns + slot_index;
-  while (load_acquire(turn) < 2 * at.key_block) {
+  while (load_acquire(turn) < kOrderedTurnsPerKeyBlock * at.key_block) {
   }
   fence_proxy_async_global();
-  bulk_reduce_add(slot, stage, kDqHalfFloats * sizeof(float));
+  bulk_reduce_add(half, stage, kDqHalfFloats * sizeof(float));
   tma_store_commit();
   tma_store_wait<0>();
   fence_proxy_async_global();

@@ -15,6 +15,16 @@ __device__ __forceinline__ uint32_t e4m3x2_rn_satfinite(float lo, float hi) {
   return packed;
 }
 
+// The values of two E4M3 codes (`lo` in the low byte), exact: every E4M3 value is an FP16 one.
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t codes) {
+  uint32_t halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(codes));
+  float lo, hi;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(uint16_t(halves)));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(uint16_t(halves >> 16)));
+  return make_float2(lo, hi);
+}
+
 // Four codes in one word, byte i from x[i].
 __device__ __forceinline__ uint32_t e4m3x4_rn_satfinite(float x0, float x1, float x2, float x3) {
   return e4m3x2_rn_satfinite(x0, x1) | (e4m3x2_rn_satfinite(x2, x3) << 16);

@@ -22,7 +22,7 @@ namespace flamia::sm90::bwd {
 enum class ConsumerBarrier : uint32_t {
   kMaxReady = kFirstNamedBarrier,  // every query's |dS| maximum is in row_max
   kDsReady,                        // the quantized dS tile is in shared memory
-  kWarpgroup0,                     // one warpgroup: its dQ stage is written
+  kWarpgroup0,                     // ordered mode, one warpgroup: its dQ stage is written
   kWarpgroup1,
 };
 static_assert(named_barrier_id_valid(ConsumerBarrier::kWarpgroup1), "named barrier ids");
@@ -68,28 +68,47 @@ __device__ __forceinline__ void issue_score_products(float (&s)[kTileRegs], floa
   wgmma::fence_operands(dp);
 }
 
-// acc[half] += unit(key) * (A^T B^T)[:, 64 half ..]: A from registers (keys x queries), B a query
-// tile's K-major copy [D][queries] (64B swizzle), one m64n64 product per half.
-__device__ __forceinline__ void accumulate_key_product(float (&acc)[2][kTileRegs],
+// One m64n64 half of a key product, A from registers (keys x queries), B a query tile's K-major
+// copy [D][queries] (64B swizzle), into fresh registers: committed, not waited for.
+__device__ __forceinline__ void issue_key_product_half(float (&tile)[kTileRegs],
                                                        const uint32_t (&a)[kQuerySlices][4],
-                                                       const uint8_t* bt,
-                                                       const float (&unit)[kKeyRows]) {
+                                                       const uint8_t* bt, int half) {
+  const uint64_t desc = wgmma::make_desc_sw64(bt + half * kHalfDim * int(wgmma::kSw64RowBytes));
+  wgmma::fence_operands(tile);
+  wgmma::fence();
+#pragma unroll
+  for (int k = 0; k < kQuerySlices; ++k)
+    wgmma::mma_e4m3_rs<kHalfDim>(tile, a[k], wgmma::desc_advance(desc, k * wgmma::kKBytes), k > 0);
+  wgmma::commit();
+}
+
+// acc += unit(key) * tile, once the tile's product is done.
+__device__ __forceinline__ void add_key_tile(float (&acc)[kTileRegs], float (&tile)[kTileRegs],
+                                             const float (&unit)[kKeyRows]) {
+  wgmma::wait<0>();
+  wgmma::fence_operands(tile);
+#pragma unroll
+  for (int i = 0; i < kTileRegs; ++i) acc[i] = fmaf(tile[i], unit[key_half(i)], acc[i]);
+}
+
+// dV += unit_v P~^T dO and dK += unit_k dS~^T Q in four m64n64 halves through one register tile.
+// Two tiles in flight (a product overlapping the previous one's additions) spill dV and dK inside
+// the loop and measured 4 % slower (docs/PERF.md).
+__device__ __forceinline__ void accumulate_key_products(float (&dv)[2][kTileRegs],
+                                                        float (&dk)[2][kTileRegs],
+                                                        const KeyOperands& ops,
+                                                        const uint8_t* doutt, const uint8_t* qt,
+                                                        const float (&dv_unit)[kKeyRows]) {
+  float tile[kTileRegs];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float tile[kTileRegs];
-    const uint64_t desc = wgmma::make_desc_sw64(bt + half * kHalfDim * int(wgmma::kSw64RowBytes));
-    wgmma::fence_operands(tile);
-    wgmma::fence();
+    issue_key_product_half(tile, ops.p, doutt, half);
+    add_key_tile(dv[half], tile, dv_unit);
+  }
 #pragma unroll
-    for (int k = 0; k < kQuerySlices; ++k)
-      wgmma::mma_e4m3_rs<kHalfDim>(tile, a[k], wgmma::desc_advance(desc, k * wgmma::kKBytes),
-                                   k > 0);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(tile);
-#pragma unroll
-    for (int i = 0; i < kTileRegs; ++i)
-      acc[half][i] = fmaf(tile[i], unit[key_half(i)], acc[half][i]);
+  for (int half = 0; half < 2; ++half) {
+    issue_key_product_half(tile, ops.ds, qt, half);
+    add_key_tile(dk[half], tile, ops.ds_unit);
   }
 }
 
@@ -112,18 +131,18 @@ __device__ __forceinline__ void issue_dq_product(float (&dq)[kTileRegs],
 }
 
 // dQ's operand: each listed query's maximum over all 128 keys -> er, then E4M3(dS 2^e_k / 2^er)
-// into the dS tile at [query][transposed_slot(key)]. Register i's query is 8 (i / 4) + 2 quad +
-// i % 2, so its swizzled byte offset is one of four per-thread bases (query parity x key) plus
-// 1024 (i / 4): the 8-row swizzle pattern repeats every 8 queries.
+// (ds_folded holds dS 2^e_k) into the dS tile at [query][transposed_slot(key)]. Register i's query
+// is 8 (i / 4) + 2 quad + i % 2, so its swizzled byte offset is one of four per-thread bases (query
+// parity x key) plus 1024 (i / 4): the 8-row swizzle pattern repeats every 8 queries.
 template <bool kDiagnostics>
-__device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds)[kTileRegs],
-                                              const KeyRows& kr, const int* row_max, int quad,
-                                              int key_base, StepDiagnostics& diag) {
+__device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds_folded)[kTileRegs],
+                                              const int* row_max, int quad, int key_base,
+                                              StepDiagnostics& diag) {
   constexpr uint32_t kGroupBytes = wgmma::kSw128AtomBytes;  // 8 queries of 128 B
   float inv[kThreadQueries];
 #pragma unroll
   for (int n = 0; n < kThreadQueries; ++n)
-    inv[n] = exp2i(-scale_exponent_up_e4m3(__int_as_float(row_max[listed_query(quad, n)])));
+    inv[n] = inverse_scale_e4m3(__int_as_float(row_max[listed_query(quad, n)]));
   uint8_t* base[2][kKeyRows];
 #pragma unroll
   for (int c = 0; c < 2; ++c)
@@ -134,9 +153,9 @@ __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds
 #pragma unroll
   for (int i = 0; i < kTileRegs; ++i) {
     const int n = 2 * (i >> 2) + (i & 1), r = key_half(i);
-    const float x = (ds[i] * kr.fold[r]) * inv[n];
+    const float x = ds_folded[i] * inv[n];
     const uint32_t code = e4m3x2_rn_satfinite(x, 0.0f) & 0xFFu;
-    if constexpr (kDiagnostics) diag.zero_dq += ds[i] != 0.0f && rounds_to_zero(x);
+    if constexpr (kDiagnostics) diag.zero_dq += ds_folded[i] != 0.0f && rounds_to_zero(x);
     base[i & 1][r][(i >> 2) * kGroupBytes] = uint8_t(code);
   }
 }
@@ -193,12 +212,11 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   // steps on (after the next one).
   if (warpgroup == 0 && t < kBlockM) sm.row_max[(step + 2) % kMaxBuffers][t] = 0;
   // dS leaves the registers before the dV and dK products need theirs.
-  store_ds_tile<kDiagnostics>(sm.ds, dp, kr, row_max, quad, key_base, diag);
+  store_ds_tile<kDiagnostics>(sm.ds, dp, row_max, quad, key_base, diag);
   fence_async_shared();
 
   const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
-  accumulate_key_product(dv, ops.p, sm.doutt[q_state.index], dv_unit);
-  accumulate_key_product(dk, ops.ds, sm.qt[q_state.index], ops.ds_unit);
+  accumulate_key_products(dv, dk, ops, sm.doutt[q_state.index], sm.qt[q_state.index], dv_unit);
   if (lane_index() == 0) sm.q_pipe.consumer_release(q_state);
   q_state.advance();
   named_barrier_sync(ConsumerBarrier::kDsReady, kConsumerThreads);
@@ -223,8 +241,9 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     sm.kv_pipe.consumer_wait(kv_state);
     const WorkItem item = sm.item;
     if (item.doc < 0) {
-      // Shared memory goes with the CTA: the last dQ reduction must have read its stage.
-      if (threadIdx.x % kWarpgroupThreads == 0) tma_store_wait_read<0>();
+      // Shared memory goes with the CTA: the last dQ reductions (one per warp, or per warpgroup
+      // in ordered mode) must have read their stages.
+      if (lane_index() == 0) tma_store_wait_read<0>();
       return;
     }
     const int64_t begin = p.cu_seqlens[item.doc];

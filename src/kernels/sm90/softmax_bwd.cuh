@@ -83,10 +83,11 @@ __device__ __forceinline__ bool rounds_to_zero(float x) {
   return x != 0.0f && (e4m3x2_rn_satfinite(x, 0.0f) & kMagnitudeBits) == 0;
 }
 
-// P and dS of one step. On return dp holds dS, ops the packed operands and query_max the thread's
-// |dS 2^e_k| maxima over its two keys for each listed query. kMasked: keys past the document or
-// (causal) after the query, and queries past the document, get P = 0; unmasked tiles lie inside
-// the document. kDiagnostics: also counts into `diag` (the fast path compiles without it).
+// P and dS of one step. On return dp holds dS 2^e_k (dQ's operand before its row scale), ops the
+// packed operands of dV and dK, and query_max the thread's |dS 2^e_k| maxima over its two keys for
+// each listed query. kMasked: keys past the document or (causal) after the query, and queries past
+// the document, get P = 0; unmasked tiles lie inside the document. kDiagnostics: also counts into
+// `diag` (the fast path compiles without it).
 template <bool kMasked, bool kCausal, bool kDiagnostics>
 __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)[kTileRegs],
                                               const QueryRows& rows, const KeyRows& kr, int quad,
@@ -137,9 +138,9 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   }
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r) {
-    const int e = scale_exponent_up_e4m3(quad_max(amax[r]));
-    ops.ds_unit[r] = exp2i(e);
-    amax[r] = exp2i(-e);  // now the inverse unit
+    const float key_max = quad_max(amax[r]);
+    ops.ds_unit[r] = exp2i(scale_exponent_up_e4m3(key_max));
+    amax[r] = inverse_scale_e4m3(key_max);  // now the inverse unit
   }
 #pragma unroll
   for (int i = 0; i < kTileRegs; ++i) {
@@ -148,14 +149,17 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   }
   pack_a_fragments<kQuerySlices>(s, ops.ds);
 
-  // dQ's operand needs each query's maximum over all 128 keys: this thread's share.
+  // dQ's operand: dS 2^e_k, left in dp, and each query's maximum of it over all 128 keys, of which
+  // this is the thread's share.
 #pragma unroll
   for (int n = 0; n < kThreadQueries; ++n) {
     const int i0 = 4 * (n >> 1) + (n & 1);  // key r's register of listed query n; key r + 8: +2
-    query_max[n] = fmaxf(fabsf(dp[i0] * kr.fold[0]), fabsf(dp[i0 + 2] * kr.fold[1]));
     if constexpr (kDiagnostics)
       add_row_sums(diag, n, dp[i0] + dp[i0 + 2], fabsf(dp[i0]) + fabsf(dp[i0 + 2]),
                    m0 + listed_query(quad, n), length);
+    dp[i0] *= kr.fold[0];
+    dp[i0 + 2] *= kr.fold[1];
+    query_max[n] = fmaxf(fabsf(dp[i0]), fabsf(dp[i0 + 2]));
   }
 }
 
