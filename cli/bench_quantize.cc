@@ -94,10 +94,10 @@ int bench_quantize(int argc, char** argv, int first) {
   const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
   PackedLayout layout{cu.data(), int(docs), tokens, heads_q, heads_kv, dim};
   validate(layout);
-  const cuda::DeviceBuffer cu_device = cuda::DeviceBuffer::upload(cu);
-
   cudaStream_t stream = nullptr;
   FLAMIA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // In the stream: a non-blocking stream does not wait for the legacy default stream's copies.
+  const cuda::DeviceBuffer cu_device = cuda::DeviceBuffer::upload(cu, stream);
   const int64_t q_elems = tokens * heads_q * dim, kv_elems = tokens * heads_kv * dim;
   std::vector<InputSet> inputs;
   std::vector<DeviceAttentionInputs> views;

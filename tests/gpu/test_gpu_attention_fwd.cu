@@ -475,6 +475,9 @@ struct DeviceOutputs {
         std::vector<float>(size_t(l.heads_q * l.tokens + kLseTail), lse_poison()));
     out.o = {o.get<uint16_t>(), stride_token, stride_head};
     out.lse = lse.get<float>();
+    // The poison lands before a kernel on any stream runs: a cudaMemcpy from pageable memory may
+    // still be in flight when it returns, in the legacy stream a non-blocking stream ignores.
+    FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
   }
 };
 
@@ -566,6 +569,8 @@ TEST_P(GpuAttentionFwdOutputs, PoisonStridesEntryPointsAndDeterminism) {
   cudaStream_t stream;
   FLAMIA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const DeviceInputs in = upload(batch, 16, 32);
+  // Uploaded in the legacy stream, which the non-blocking one does not wait for.
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
   GpuAttention attention(layout, options);
   std::cout << "[measured] " << attention.work_items() << " work items, " << attention.ctas()
             << " CTAs" << std::endl;

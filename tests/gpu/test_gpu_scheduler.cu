@@ -105,6 +105,9 @@ void check_schedule(const std::vector<int64_t>& lengths, int heads, const Schedu
   args.workspace = workspace.get();
   cudaStream_t stream = nullptr;
   FLAMIA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // The uploads and poison fills ran in the legacy stream, which a non-blocking one does not wait
+  // for.
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
   sm90::build_schedule(args, stream);
   FLAMIA_CUDA_CHECK(cudaGetLastError());
   FLAMIA_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -116,7 +116,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     if (items.size() > size_t(INT32_MAX)) reject("too many backward work items");
     b->num_items = int(items.size());
     b->ctas = std::min(b->num_items, multiprocessors());
-    b->items = cuda::DeviceBuffer::upload(items);
+    b->items = cuda::DeviceBuffer::upload(items, stream);
     b->counter = cuda::DeviceBuffer(sizeof(int));
     const int64_t rows = pl.tokens * pl.heads_q;
     b->delta = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));

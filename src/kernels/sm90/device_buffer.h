@@ -44,6 +44,18 @@ class DeviceBuffer {
       FLAMIA_CUDA_CHECK(cudaMemcpy(b.ptr_, host.data(), b.bytes_, cudaMemcpyHostToDevice));
     return b;
   }
+  // Ordered in `stream`: a cudaMemcpy from pageable memory returns once the data is staged and
+  // lands later, through the legacy default stream, which a non-blocking stream's next kernel
+  // does not wait for. The asynchronous copy stages pageable memory before it returns, so `host`
+  // may go at once.
+  template <typename T>
+  static DeviceBuffer upload(const std::vector<T>& host, cudaStream_t stream) {
+    DeviceBuffer b(host.size() * sizeof(T));
+    if (!host.empty())
+      FLAMIA_CUDA_CHECK(
+          cudaMemcpyAsync(b.ptr_, host.data(), b.bytes_, cudaMemcpyHostToDevice, stream));
+    return b;
+  }
   template <typename T>
   std::vector<T> download() const {
     std::vector<T> host(bytes_ / sizeof(T));

@@ -131,14 +131,14 @@ namespace {
 // skipped) for a null view. Never empty otherwise: with no tokens a present operand still needs a
 // non-null pointer.
 cuda::DeviceBuffer upload_dense(const TokenTensor<const uint16_t>& v, int64_t tokens, int heads,
-                                int dim) {
+                                int dim, cudaStream_t stream) {
   if (v.data == nullptr) return cuda::DeviceBuffer();
   constexpr int64_t kMinElems = kDeviceAlignment / int64_t(sizeof(uint16_t));
   std::vector<uint16_t> dense(size_t(std::max(tokens * heads * dim, kMinElems)));
   for (int64_t t = 0; t < tokens; ++t)
     for (int h = 0; h < heads; ++h)
       std::memcpy(&dense[size_t((t * heads + h) * dim)], &v.at(t, h, 0), dim * sizeof(uint16_t));
-  return cuda::DeviceBuffer::upload(dense);
+  return cuda::DeviceBuffer::upload(dense, stream);
 }
 
 }  // namespace
@@ -155,21 +155,20 @@ QuantizedAttention quantize_gpu_to_host(const AttentionInputs& host,
   const bool backward = present[int(Operand::kDO)];
 
   const int dim = pl.head_dim;
-  const cuda::DeviceBuffer cu = cuda::DeviceBuffer::upload(
-      std::vector<int32_t>(pl.cu_seqlens, pl.cu_seqlens + pl.num_docs + 1));
-  const cuda::DeviceBuffer q = upload_dense(host.q, pl.tokens, pl.heads_q, dim);
-  const cuda::DeviceBuffer k = upload_dense(host.k, pl.tokens, pl.heads_kv, dim);
-  const cuda::DeviceBuffer v = upload_dense(host.v, pl.tokens, pl.heads_kv, dim);
-  const cuda::DeviceBuffer g = upload_dense(host.dout, pl.tokens, pl.heads_q, dim);
-
-  const DeviceAttentionInputs in =
-      dense_device_inputs(pl, cu.get<int32_t>(), q.get<uint16_t>(), k.get<uint16_t>(),
-                          v.get<uint16_t>(), g.get<uint16_t>());
-
   const cuda::QuantizeOutputs out(pl, options, backward);
   cudaStream_t stream = nullptr;
   FLAMIA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   try {
+    // Uploads in the stream, which does not wait for the legacy default stream's copies.
+    const cuda::DeviceBuffer cu = cuda::DeviceBuffer::upload(
+        std::vector<int32_t>(pl.cu_seqlens, pl.cu_seqlens + pl.num_docs + 1), stream);
+    const cuda::DeviceBuffer q = upload_dense(host.q, pl.tokens, pl.heads_q, dim, stream);
+    const cuda::DeviceBuffer k = upload_dense(host.k, pl.tokens, pl.heads_kv, dim, stream);
+    const cuda::DeviceBuffer v = upload_dense(host.v, pl.tokens, pl.heads_kv, dim, stream);
+    const cuda::DeviceBuffer g = upload_dense(host.dout, pl.tokens, pl.heads_q, dim, stream);
+    const DeviceAttentionInputs in =
+        dense_device_inputs(pl, cu.get<int32_t>(), q.get<uint16_t>(), k.get<uint16_t>(),
+                            v.get<uint16_t>(), g.get<uint16_t>());
     quantize_gpu(in, options, out.view(), stream);
     FLAMIA_CUDA_CHECK(cudaStreamSynchronize(stream));
   } catch (...) {
