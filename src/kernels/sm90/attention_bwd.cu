@@ -262,20 +262,14 @@ AttentionOutputs<float> training_gpu_to_host(const AttentionBatch& batch,
   run_options.diagnostics |= diagnostics != nullptr;
   GpuAttention attention(pl, run_options);
   const int dim = pl.head_dim;
-  const cuda::DeviceBuffer cu = cuda::DeviceBuffer::upload(batch.cu_seqlens);
-  const cuda::DeviceBuffer q = cuda::DeviceBuffer::upload(batch.q);
-  const cuda::DeviceBuffer k = cuda::DeviceBuffer::upload(batch.k);
-  const cuda::DeviceBuffer v = cuda::DeviceBuffer::upload(batch.v);
-  const cuda::DeviceBuffer g = cuda::DeviceBuffer::upload(batch.dout);
+  const DeviceBatch dev(batch, /*with_dout=*/true);
+  const DeviceAttentionInputs& in = dev.in;
   const size_t q_elems = size_t(pl.tokens) * pl.heads_q * dim;
   const size_t kv_elems = size_t(pl.tokens) * pl.heads_kv * dim;
   const cuda::DeviceBuffer o(q_elems * sizeof(uint16_t)), dq(q_elems * sizeof(uint16_t));
   const cuda::DeviceBuffer dk(kv_elems * sizeof(uint16_t)), dv(kv_elems * sizeof(uint16_t));
   const cuda::DeviceBuffer lse(size_t(pl.tokens) * pl.heads_q * sizeof(float));
 
-  const DeviceAttentionInputs in =
-      dense_device_inputs(pl, cu.get<int32_t>(), q.get<uint16_t>(), k.get<uint16_t>(),
-                          v.get<uint16_t>(), g.get<uint16_t>());
   DeviceAttentionOutputs out;
   out.o = dense_view<uint16_t>(o.get<uint16_t>(), pl.heads_q, dim);
   out.lse = lse.get<float>();
@@ -290,19 +284,12 @@ AttentionOutputs<float> training_gpu_to_host(const AttentionBatch& batch,
   attention.quantizer_status().throw_if_any();  // dO (synchronises)
   if (diagnostics != nullptr) *diagnostics = attention.backward_diagnostics();
 
-  const auto decode = [](const cuda::DeviceBuffer& b) {
-    const std::vector<uint16_t> bits = b.download<uint16_t>();
-    std::vector<float> out(bits.size());
-    std::transform(bits.begin(), bits.end(), out.begin(),
-                   [](uint16_t x) { return bf16::decode(x); });
-    return out;
-  };
   AttentionOutputs<float> result;
-  result.o = decode(o);
+  result.o = download_bf16(o);
   result.lse = lse.download<float>();
-  result.dq = decode(dq);
-  result.dk = decode(dk);
-  result.dv = decode(dv);
+  result.dq = download_bf16(dq);
+  result.dk = download_bf16(dk);
+  result.dv = download_bf16(dv);
   return result;
 }
 

@@ -173,28 +173,17 @@ AttentionOutputs<float> forward_gpu_to_host(const AttentionBatch& batch,
                                             const GpuAttentionOptions& options) {
   const PackedLayout pl = batch.layout();
   GpuAttention attention(pl, options);
-  const int dim = pl.head_dim;
-  const cuda::DeviceBuffer cu = cuda::DeviceBuffer::upload(batch.cu_seqlens);
-  const cuda::DeviceBuffer q = cuda::DeviceBuffer::upload(batch.q);
-  const cuda::DeviceBuffer k = cuda::DeviceBuffer::upload(batch.k);
-  const cuda::DeviceBuffer v = cuda::DeviceBuffer::upload(batch.v);
-  const cuda::DeviceBuffer o(size_t(pl.tokens) * pl.heads_q * dim * sizeof(uint16_t));
+  const DeviceBatch dev(batch, /*with_dout=*/false);
+  const cuda::DeviceBuffer o(size_t(pl.tokens) * pl.heads_q * pl.head_dim * sizeof(uint16_t));
   const cuda::DeviceBuffer lse(size_t(pl.tokens) * pl.heads_q * sizeof(float));
-
-  const DeviceAttentionInputs in = dense_device_inputs(pl, cu.get<int32_t>(), q.get<uint16_t>(),
-                                                       k.get<uint16_t>(), v.get<uint16_t>());
   DeviceAttentionOutputs out;
-  out.o = dense_view<uint16_t>(o.get<uint16_t>(), pl.heads_q, dim);
+  out.o = dense_view<uint16_t>(o.get<uint16_t>(), pl.heads_q, pl.head_dim);
   out.lse = lse.get<float>();
-  attention.forward(in, out, nullptr);
-  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
-  attention.quantizer_status().throw_if_any();
+  attention.forward(dev.in, out, nullptr);
+  attention.quantizer_status().throw_if_any();  // synchronises
 
   AttentionOutputs<float> result;
-  const std::vector<uint16_t> o_bits = o.download<uint16_t>();
-  result.o.resize(o_bits.size());
-  std::transform(o_bits.begin(), o_bits.end(), result.o.begin(),
-                 [](uint16_t b) { return bf16::decode(b); });
+  result.o = download_bf16(o);
   result.lse = lse.download<float>();
   return result;
 }

@@ -11,6 +11,9 @@
 #include "check.h"
 #include "device_buffer.h"
 #include "flamia/attention_gpu.h"
+#include "flamia/formats.h"
+#include "flamia/inputs.h"
+#include "flamia/quantize_gpu.h"
 #include "quantize_outputs.h"
 #include "scheduler.h"
 #include "tma.cuh"
@@ -88,6 +91,30 @@ inline CUtensorMap codes_t_map(const uint8_t* codes_t, const QuantLayout& l, int
   return sm90::make_tensor_map_2d(codes_t, CU_TENSOR_MAP_DATA_TYPE_UINT8, uint64_t(l.tokens_t),
                                   uint64_t(l.heads) * kHeadDim, uint64_t(l.tokens_t),
                                   uint32_t(positions), uint32_t(kHeadDim), swizzle);
+}
+
+// A host batch copied to dense device buffers (dO only when asked for) and the inputs view over
+// them: the *_to_host tools' uploads, in the legacy stream their launches use too.
+struct DeviceBatch {
+  cuda::DeviceBuffer cu, q, k, v, dout;
+  DeviceAttentionInputs in;
+  DeviceBatch(const AttentionBatch& batch, bool with_dout)
+      : cu(cuda::DeviceBuffer::upload(batch.cu_seqlens)),
+        q(cuda::DeviceBuffer::upload(batch.q)),
+        k(cuda::DeviceBuffer::upload(batch.k)),
+        v(cuda::DeviceBuffer::upload(batch.v)),
+        dout(with_dout ? cuda::DeviceBuffer::upload(batch.dout) : cuda::DeviceBuffer()),
+        in(dense_device_inputs(batch.layout(), cu.get<int32_t>(), q.get<uint16_t>(),
+                               k.get<uint16_t>(), v.get<uint16_t>(), dout.get<uint16_t>())) {}
+};
+
+// A device buffer of BF16 bits, downloaded as floats.
+inline std::vector<float> download_bf16(const cuda::DeviceBuffer& b) {
+  const std::vector<uint16_t> bits = b.download<uint16_t>();
+  std::vector<float> values(bits.size());
+  std::transform(bits.begin(), bits.end(), values.begin(),
+                 [](uint16_t x) { return bf16::decode(x); });
+  return values;
 }
 
 inline int multiprocessors() {

@@ -160,16 +160,6 @@ __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds
   }
 }
 
-// What a step needs of its work item.
-struct StepItem {
-  int64_t begin;  // the document's first token
-  int length;
-  int n0;  // the key block's first key
-  int head;
-  int doc;
-  int key_block;
-};
-
 // One query tile of one head against the warpgroup's keys: products, gradients, dV and dK
 // accumulation, dS through shared memory, the dQ partial.
 template <ScoreOperand kScore, bool kCausal, bool kDiagnostics>
@@ -223,8 +213,7 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
 
   float dq[kTileRegs];
   issue_dq_product<kScore>(dq, sm, warpgroup);
-  const DqTarget target{item.begin, item.length, m0, item.head, item.doc, m, item.key_block};
-  add_dq_partial(p, dq, row_max, sm.dq_stage[warpgroup][step % kDqStages], target, t, warpgroup,
+  add_dq_partial(p, dq, row_max, sm.dq_stage[warpgroup][step % kDqStages], item, m, t, warpgroup,
                  warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
   if constexpr (kDiagnostics) publish_diagnostics(p.diagnostics, diag);
 }

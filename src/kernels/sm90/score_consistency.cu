@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "arch.cuh"
+#include "attention_internal.h"
 #include "bwd_smem.cuh"
 #include "check.h"
 #include "device_buffer.h"
@@ -356,20 +357,17 @@ ScoreConsistencyReport score_consistency_to_host(const AttentionBatch& batch,
                                                  const GpuAttentionOptions& options) {
   const PackedLayout pl = batch.layout();
   check_gpu_support(pl, options);
-  const cuda::DeviceBuffer cu = cuda::DeviceBuffer::upload(batch.cu_seqlens);
-  const cuda::DeviceBuffer q = cuda::DeviceBuffer::upload(batch.q);
-  const cuda::DeviceBuffer k = cuda::DeviceBuffer::upload(batch.k);
-  const cuda::DeviceBuffer v = cuda::DeviceBuffer::upload(batch.v);
-  const DeviceAttentionInputs in = dense_device_inputs(pl, cu.get<int32_t>(), q.get<uint16_t>(),
-                                                       k.get<uint16_t>(), v.get<uint16_t>());
+  const gpu_attention::DeviceBatch dev(batch, /*with_dout=*/false);
+  const DeviceAttentionInputs& in = dev.in;
   QuantizeOptions qo;
   qo.policy = options.policy;
   qo.hadamard = options.hadamard;
   qo.transposed = false;
   const cuda::QuantizeOutputs quant(pl, qo, false);
   quantize_gpu(in, qo, quant.view(), nullptr);
-  const sm90::ScoreConsistency c = sm90::score_consistency_gpu(
-      pl, cu.get<int32_t>(), options.recipe, options.attention.causal, in, quant.view(), nullptr);
+  const sm90::ScoreConsistency c =
+      sm90::score_consistency_gpu(pl, dev.cu.get<int32_t>(), options.recipe,
+                                  options.attention.causal, in, quant.view(), nullptr);
   quant.non_finite().throw_if_any();
   return {c.entries, c.differing};
 }
