@@ -80,9 +80,10 @@ void forward_task(const Problem& p, int doc, int head_q, AttentionOutputs<float>
     for (int r = 0; r < rows; ++r) {
       const int64_t t = begin + m0 + r;
       if (l[r] == 0.0f) continue;  // no visible key (cannot happen for causal rows)
-      const float unit = ops.fold_v ? exp2i(R[r]) : 1.0f;
+      // One division per row (the kernel's epilogue): O = O_acc * (2^R / l).
+      const float scale = (ops.fold_v ? exp2i(R[r]) : 1.0f) / l[r];
       float* o = &out.o[size_t((t * hq + head_q) * dim)];
-      for (int d = 0; d < dim; ++d) o[d] = bf16::round(acc[size_t(r) * dim + d] * unit / l[r]);
+      for (int d = 0; d < dim; ++d) o[d] = bf16::round(acc[size_t(r) * dim + d] * scale);
       out.lse[size_t(head_q * T + t)] = kLn2 * (m[r] - kOffset + std::log2(l[r]));
     }
   }

@@ -11,7 +11,7 @@
 //   R_i = running max of the visible e_v(j);  P~_ij = P_ij * 2^(e_v(j) - R_i) <= 2^8 <= 448
 //   P~ rounded to E4M3 (BF16 for the bf16 recipe); O tile = P~ V in fresh FP32 registers, added to
 //   the running O after the rescale 2^(m_old - m_new) * 2^(R_old - R_new);  l_i = sum of unrounded
-//   P O_i = O * 2^R_i / l_i -> BF16;  LSE_i = ln(2) * (m_i - 8 + log2 l_i)
+//   P O_i = O * (2^R_i / l_i) -> BF16;  LSE_i = ln(2) * (m_i - 8 + log2 l_i)
 // Backward, per key tile and query tile:
 //   t recomputed identically; P = 2^(t - LSE_i log2 e); dP = (dO V^T)_ij 2^(eg_i + ev_j)
 //   D_i = sum_d dequant(dO_q)_id * O_id (the forward's BF16 O);  dS = P (dP - D)

@@ -1,4 +1,4 @@
-// The forward's epilogue: O = O_acc * 2^R / l to BF16 and LSE = ln 2 * (m - 8 + log2 l), written
+// The forward's epilogue: O = O_acc * (2^R / l) to BF16 and LSE = ln 2 * (m - 8 + log2 l), written
 // only for rows inside the document (guarded stores, no TMA: a box would write the next
 // document's rows).
 #pragma once
@@ -17,11 +17,12 @@ struct EpilogueRows {
 __device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[kAccRegs],
                                               RowState& st, const EpilogueRows& rows, int head,
                                               int quad) {
+  // One division per row, not per element: O = O_acc * (2^R / l), as the emulator computes it.
   float scale[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     st.l[r] = quad_sum(st.l[r]);
-    scale[r] = exp2i(st.ref[r]);
+    scale[r] = __fdiv_rn(exp2i(st.ref[r]), st.l[r]);
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -30,9 +31,8 @@ __device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[
 #pragma unroll
     for (int g = 0; g < kColPairs; ++g) {
       const int i = 4 * g + 2 * r;
-      // The emulator's (O * 2^R) / l, both roundings in this order.
-      const float x = __fdiv_rn(o[i] * scale[r], st.l[r]);
-      const float y = __fdiv_rn(o[i + 1] * scale[r], st.l[r]);
+      const float x = o[i] * scale[r];
+      const float y = o[i + 1] * scale[r];
       *reinterpret_cast<__nv_bfloat162*>(dst + 8 * g + 2 * quad) = __floats2bfloat162_rn(x, y);
     }
     if (quad == 0)
