@@ -14,9 +14,9 @@
 
 namespace flamia::sm90::bwd {
 
-// Per query row of a tile, staged by the producer (bwd_scales.cuh); float4 so a thread's column
-// pair needs two vector loads.
-struct RowTerms {
+// Per query row of a tile, staged by the producer (bwd_scales.cuh); 16 B aligned so a thread's
+// column pair needs two vector loads (without alignas the compiler splits each into four).
+struct alignas(16) RowTerms {
   float rf;     // softmax scale * log2(e) * 2^e_q: S's row factor (2^e_q is 1 for BF16 Q)
   float lse2;   // LSE * log2(e); +inf outside the document, so P = 0 there
   float delta;  // D; 0 outside the document

@@ -263,9 +263,11 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
         backward_step<kScore, kCausal, kDiagnostics>(p, sm, warpgroup, si, m, step, kr, q_state, dv,
                                                      dk);
     }
-    store_key_gradients(p, dk, dv, begin, length, n0 + warpgroup * wgmma::kM, item.kv_head, t);
+    // The last dQ product has completed, so the key block's shared memory is free: the producer
+    // loads the next item's keys and first query tiles while dK and dV go out from registers.
     if (lane_index() == 0) sm.kv_pipe.consumer_release(kv_state);
     kv_state.advance();
+    store_key_gradients(p, dk, dv, begin, length, n0 + warpgroup * wgmma::kM, item.kv_head, t);
   }
 }
 
