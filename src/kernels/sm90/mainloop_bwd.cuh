@@ -203,12 +203,14 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   if (warpgroup == 0 && t < kBlockM) sm.row_max[(step + 2) % kMaxBuffers][t] = 0;
   // dS leaves the registers before the dV and dK products need theirs.
   store_ds_tile<kDiagnostics>(sm.ds, dp, row_max, quad, key_base, diag);
-  fence_async_shared();
 
   const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
   accumulate_key_products(dv, dk, ops, sm.doutt[q_state.index], sm.qt[q_state.index], dv_unit);
   if (lane_index() == 0) sm.q_pipe.consumer_release(q_state);
   q_state.advance();
+  // The dS stores reach the dQ product's (async-proxy) reads: fenced only here, after the key
+  // products, by when the stores have long completed (right after them the fence waited for them).
+  fence_async_shared();
   named_barrier_sync(ConsumerBarrier::kDsReady, kConsumerThreads);
 
   float dq[kTileRegs];
