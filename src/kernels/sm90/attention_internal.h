@@ -72,10 +72,10 @@ inline CUtensorMap codes_map(const uint8_t* codes, int64_t tokens, int heads, in
       CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-// BF16 inputs (strided view): boxes of 64 elements (one 128-byte swizzle span) by `rows` tokens.
+// BF16 inputs (strided view): boxes of one 128-byte swizzle span by `rows` tokens.
 inline CUtensorMap bf16_map(const TokenTensor<const uint16_t>& v, int64_t tokens, int heads,
                             int rows) {
-  constexpr uint32_t kSpanElems = 64;
+  constexpr uint32_t kSpanElems = sm90::fwd::ScoreSpans<sm90::fwd::ScoreOperand::kBf16>::kSpanElems;
   return sm90::make_tensor_map_3d(
       v.data, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
       {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},

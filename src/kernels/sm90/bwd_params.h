@@ -15,6 +15,7 @@
 namespace flamia::sm90::bwd {
 
 using fwd::ScoreOperand;
+using fwd::ScoreSpans;
 
 constexpr int kBlockM = 64;    // query rows per step of a work item
 constexpr int kBlockN = 128;   // keys per work item: two consumer warpgroups of 64

@@ -42,10 +42,8 @@ constexpr int kMaxBuffers = 3;
 constexpr int kDqStages = 2;
 
 template <ScoreOperand kScore>
-struct SmemLayout {
-  static constexpr int kElemBytes = kScore == ScoreOperand::kE4m3 ? 1 : 2;
-  static constexpr int kSpans = kHeadDim * kElemBytes / int(wgmma::kSw128RowBytes);
-  static constexpr int kSpanElems = int(wgmma::kSw128RowBytes) / kElemBytes;
+struct SmemLayout : ScoreSpans<kScore> {
+  static constexpr int kSpans = ScoreSpans<kScore>::kSpans;
   static constexpr uint32_t kQSpanBytes = kBlockM * wgmma::kSw128RowBytes;
   static constexpr uint32_t kKSpanBytes = kBlockN * wgmma::kSw128RowBytes;
   static constexpr uint32_t kQBytes = kSpans * kQSpanBytes;      // score operand Q
@@ -57,8 +55,6 @@ struct SmemLayout {
   static constexpr uint32_t kKeyBlockBytes = kKBytes + 2 * kCodesKBytes;
   // A consumer warpgroup's 64 keys of a [keys][128 B] tile.
   static constexpr uint32_t kWarpgroupKeyBytes = wgmma::kM * wgmma::kSw128RowBytes;
-  static constexpr int kStepsPerSpan = int(wgmma::kSw128RowBytes / wgmma::kKBytes);
-  static constexpr int kScoreSteps = kSpans * kStepsPerSpan;
   static_assert(kHeadDim == int(wgmma::kSw128RowBytes), "an E4M3 row is one 128 B swizzle span");
   static_assert(kBlockM == int(wgmma::kSw64RowBytes), "a query tile's K-major copy: 64 B rows");
   static_assert(kBlockN == int(wgmma::kSw128RowBytes), "a key block's K-major copy: 128 B rows");

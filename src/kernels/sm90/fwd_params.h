@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "scheduler.h"
+#include "wgmma.cuh"
 
 namespace flamia::sm90::fwd {
 
@@ -22,6 +23,18 @@ constexpr int kQStages = 2;    // depth of the Q ring (a work item's Q travels w
 enum class ScoreOperand {
   kE4m3,  // mxfp8: E4M3 codes with per-token exponents (any policy's exponent arrays)
   kBf16,  // mxfp8-qk16: the BF16 inputs
+};
+
+// A score operand's rows (the head dim) in 128-byte swizzle spans, each its own [rows][128 B] tile
+// (E4M3: one span; BF16: two), and the k steps of the score product over them. Both kernels and
+// the score-consistency probe walk the head dim this way.
+template <ScoreOperand kScore>
+struct ScoreSpans {
+  static constexpr int kElemBytes = kScore == ScoreOperand::kE4m3 ? 1 : 2;
+  static constexpr int kSpans = kHeadDim * kElemBytes / int(wgmma::kSw128RowBytes);
+  static constexpr int kSpanElems = int(wgmma::kSw128RowBytes) / kElemBytes;
+  static constexpr int kStepsPerSpan = int(wgmma::kSw128RowBytes / wgmma::kKBytes);
+  static constexpr int kSteps = kSpans * kStepsPerSpan;
 };
 
 struct Params {

@@ -12,20 +12,14 @@
 namespace flamia::sm90::fwd {
 
 template <ScoreOperand kScore>
-struct SmemLayout {
-  static constexpr int kElemBytes = kScore == ScoreOperand::kE4m3 ? 1 : 2;
-  // A row of Q or K is kHeadDim elements; a 128B swizzle span holds 128 bytes of it, so BF16
-  // rows are two spans, each its own [rows][128 B] tile.
-  static constexpr int kSpans = kHeadDim * kElemBytes / int(wgmma::kSw128RowBytes);
-  static constexpr int kSpanElems = int(wgmma::kSw128RowBytes) / kElemBytes;
+struct SmemLayout : ScoreSpans<kScore> {
+  static constexpr int kSpans = ScoreSpans<kScore>::kSpans;
   static constexpr uint32_t kQSpanBytes = kBlockM * wgmma::kSw128RowBytes;
   static constexpr uint32_t kKSpanBytes = kBlockN * wgmma::kSw128RowBytes;
   static constexpr uint32_t kQBytes = kSpans * kQSpanBytes;
   static constexpr uint32_t kKBytes = kSpans * kKSpanBytes;
   static constexpr uint32_t kVtBytes = kHeadDim * kBlockN;  // E4M3 V^T: [D][keys]
   static constexpr uint32_t kWarpgroupQBytes = wgmma::kM * wgmma::kSw128RowBytes;
-  static constexpr int kStepsPerSpan = int(wgmma::kSw128RowBytes / wgmma::kKBytes);
-  static constexpr int kQkSteps = kSpans * kStepsPerSpan;
   static_assert(kBlockN == int(wgmma::kSw128RowBytes), "a V^T row (keys) is one swizzle span");
   static_assert(kQSpanBytes % wgmma::kSw128AtomBytes == 0 &&
                     kKSpanBytes % wgmma::kSw128AtomBytes == 0 &&

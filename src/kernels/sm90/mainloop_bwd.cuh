@@ -38,7 +38,7 @@ __device__ __forceinline__ void issue_score_products(float (&s)[kTileRegs], floa
   wgmma::fence_operands(dp);
   wgmma::fence();
 #pragma unroll
-  for (int step = 0; step < L::kScoreSteps; ++step) {
+  for (int step = 0; step < L::kSteps; ++step) {
     const int span = step / L::kStepsPerSpan;
     const uint32_t offset = (step % L::kStepsPerSpan) * wgmma::kKBytes;
     const uint64_t desc_k = wgmma::desc_advance(

@@ -48,7 +48,7 @@ __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
   wgmma::fence_operands(s);
   wgmma::fence();
 #pragma unroll
-  for (int step = 0; step < L::kQkSteps; ++step) {
+  for (int step = 0; step < L::kSteps; ++step) {
     const int span = step / L::kStepsPerSpan;
     const uint32_t offset = (step % L::kStepsPerSpan) * wgmma::kKBytes;
     const uint64_t desc_q =

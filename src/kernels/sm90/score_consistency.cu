@@ -44,23 +44,20 @@ static_assert(fwd::kBlockM % kQueries == 0,
 constexpr uint32_t kChunkBytes = 16;  // one vector load and store
 constexpr uint32_t kChunksPerSpan = wgmma::kSw128RowBytes / kChunkBytes;
 
+// Both kernels walk the head dim in the same spans and steps (fwd::ScoreSpans).
 template <ScoreOperand kScore>
-struct ProbeLayout {
+struct ProbeLayout : fwd::ScoreSpans<kScore> {
   using Fwd = fwd::SmemLayout<kScore>;
   using Bwd = bwd::SmemLayout<kScore>;
-  static constexpr int kSpans = Fwd::kSpans;
-  static constexpr int kStepsPerSpan = Fwd::kStepsPerSpan;
-  static constexpr int kSteps = Fwd::kQkSteps;
+  static constexpr int kSpans = fwd::ScoreSpans<kScore>::kSpans;
   static constexpr uint32_t kRowBytes = kSpans * wgmma::kSw128RowBytes;  // a (token, head) row
   static constexpr uint32_t kQSpanBytes = Fwd::kWarpgroupQBytes;  // kQueries rows of one span
   static constexpr uint32_t kKSpanBytes = Fwd::kKSpanBytes;       // kKeys rows of one span
   static constexpr uint32_t kHalfKeyBytes = Bwd::kWarpgroupKeyBytes;
-  static_assert(Bwd::kSpans == kSpans && Bwd::kStepsPerSpan == kStepsPerSpan &&
-                    Bwd::kScoreSteps == kSteps,
-                "both kernels walk the head dim in the same spans and steps");
   static_assert(Bwd::kQSpanBytes == kQSpanBytes && Bwd::kKSpanBytes == kKSpanBytes,
                 "both kernels' tiles of one span");
-  static_assert(kRowBytes == kHeadDim * Fwd::kElemBytes, "a row is the head dim");
+  static_assert(kRowBytes == kHeadDim * fwd::ScoreSpans<kScore>::kElemBytes,
+                "a row is the head dim");
 };
 
 template <ScoreOperand kScore>
