@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "edge_layouts.h"
 #include "flamia/packed.h"
 #include "flamia/quantize.h"
 #include "quantize_geometry.h"
@@ -206,25 +207,10 @@ std::string describe(const std::vector<int64_t>& lengths) {
 // GpuQuantize.TransposedLayoutOnUnalignedAndEmptyDocuments' layouts and the bit tests' documents,
 // plus runs of empty documents long enough for several record batches and window searches.
 std::vector<std::vector<int64_t>> edge_layouts() {
-  std::vector<std::vector<int64_t>> layouts = {
-      {5, 0, 1, 31, 32, 33, 127, 0, 129, 77, 300},
-      {0, 1, 15, 16, 17, 31, 33, 129},
-      {5, 0, 1, 15, 16, 17, 31, 33, 129, 0},
-      {129, 33, 31, 17, 16, 15, 1, 0, 7},
-      {1},
-      {17},
-      {128},
-      {256},
-      {4096},
-      {256, 32, 480, 16, 16, 1024},
-      {0, 0, 0, 300},
-      {300, 0, 0, 0},
-      {120, 130, 6, 250, 0, 1, 0, 255, 2},
-      {127, 1, 126, 2, 125, 3, 124, 4, 257},
-      {0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0},
-      std::vector<int64_t>(300, 1),
-      std::vector<int64_t>(37, 17),
-  };
+  std::vector<std::vector<int64_t>> layouts = testlayouts::unaligned_and_empty_documents();
+  layouts.insert(
+      layouts.end(),
+      {{5, 0, 1, 31, 32, 33, 127, 0, 129, 77, 300}, {4096}, {256, 32, 480, 16, 16, 1024}});
   std::vector<int64_t> runs = {3};
   runs.insert(runs.end(), 200, 0);
   runs.push_back(5);

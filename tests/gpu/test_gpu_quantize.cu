@@ -14,6 +14,7 @@
 
 #include "check.h"
 #include "device_buffer.h"
+#include "edge_layouts.h"
 #include "flamia/formats.h"
 #include "flamia/inputs.h"
 #include "flamia/quantize.h"
@@ -456,22 +457,7 @@ TEST(GpuQuantize, EmptyAndOneTokenInputs) {
 TEST(GpuQuantize, TransposedLayoutOnUnalignedAndEmptyDocuments) {
   FLAMIA_REQUIRE_GPU();
   constexpr uint8_t kNaNPoison = 0xFF;
-  const std::vector<std::vector<int64_t>> layouts = {
-      {0, 1, 15, 16, 17, 31, 33, 129},
-      {5, 0, 1, 15, 16, 17, 31, 33, 129, 0},
-      {129, 33, 31, 17, 16, 15, 1, 0, 7},
-      {1},
-      {17},
-      {128},
-      {256},
-      {0, 0, 0, 300},
-      {300, 0, 0, 0},
-      {120, 130, 6, 250, 0, 1, 0, 255, 2},  // documents ending at and across tile edges
-      {127, 1, 126, 2, 125, 3, 124, 4, 257},
-      {0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0},
-      std::vector<int64_t>(300, 1),
-      std::vector<int64_t>(37, 17),
-  };
+  const std::vector<std::vector<int64_t>> layouts = testlayouts::unaligned_and_empty_documents();
   for (const int dim : {64, 128}) {
     for (size_t i = 0; i < layouts.size(); ++i) {
       SCOPED_TRACE("dim " + std::to_string(dim) + ", layout " + std::to_string(i));
