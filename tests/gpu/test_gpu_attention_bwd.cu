@@ -53,7 +53,14 @@ struct BwdCase {
   ScalePolicy policy = ScalePolicy::kToken;
   InputKind inputs = InputKind::kNormal;
   uint64_t seed = 1;
+  bool deterministic = false;  // ordered dQ additions: their own kernel instantiations
 };
+
+BwdCase deterministic_case(BwdCase c) {
+  c.name += "Deterministic";
+  c.deterministic = true;
+  return c;
+}
 
 std::ostream& operator<<(std::ostream& os, const BwdCase& c) {
   return os << c.name;
@@ -64,6 +71,7 @@ GpuAttentionOptions gpu_options(const BwdCase& c) {
   o.recipe = c.recipe;
   o.policy = c.policy;
   o.attention.causal = c.causal;
+  o.deterministic = c.deterministic;
   return o;
 }
 
@@ -132,6 +140,8 @@ std::vector<BwdCase> cases() {
                InputKind::kHeavyTail});
   v.push_back({"Qk16OddDocsCausal", kOddDocs, 4, 4, true, Recipe::kMxfp8Qk16});
   v.push_back({"Qk16GqaNonCausal", kOddDocs, 4, 1, false, Recipe::kMxfp8Qk16});
+  // Every deterministic instantiation (mxfp8 causal also in the tests below).
+  for (int i : {1, 5, 6}) v.push_back(deterministic_case(v[size_t(i)]));
   return v;
 }
 

@@ -53,25 +53,28 @@ using sm90::fwd::ScoreOperand;
 static_assert(kGpuBackwardTiles.block_m == kBlockM && kGpuBackwardTiles.block_n == kBlockN,
               "the emulator's tiles must be the kernel's");
 
-// The main kernel's instantiation for the recipe, mask and diagnostics.
+// The main kernel's instantiation for the mask, the dQ addition and diagnostics.
+template <ScoreOperand kScore, bool kCausal>
+void launch_main_kernel(const sm90::bwd::Params& p, int ctas, cudaStream_t stream) {
+  using namespace sm90::bwd;
+  if (p.diagnostics != nullptr) {
+    launch_backward_diagnostics<kScore, kCausal>(p, ctas, stream);
+  } else if (p.dq_turns != nullptr) {
+    launch_backward<kScore, kCausal, DqAddition::kOrdered>(p, ctas, stream);
+  } else {
+    launch_backward<kScore, kCausal, DqAddition::kBulk>(p, ctas, stream);
+  }
+}
+
+// ... and for the recipe.
 void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool qk16, bool causal,
                         cudaStream_t stream) {
-  using namespace sm90::bwd;
-  const bool diag = p.diagnostics != nullptr;
   if (qk16) {
-    if (causal) {
-      (diag ? launch_backward_diagnostics<ScoreOperand::kBf16, true>
-            : launch_backward<ScoreOperand::kBf16, true>)(p, ctas, stream);
-    } else {
-      (diag ? launch_backward_diagnostics<ScoreOperand::kBf16, false>
-            : launch_backward<ScoreOperand::kBf16, false>)(p, ctas, stream);
-    }
-  } else if (causal) {
-    (diag ? launch_backward_diagnostics<ScoreOperand::kE4m3, true>
-          : launch_backward<ScoreOperand::kE4m3, true>)(p, ctas, stream);
+    (causal ? launch_main_kernel<ScoreOperand::kBf16, true>
+            : launch_main_kernel<ScoreOperand::kBf16, false>)(p, ctas, stream);
   } else {
-    (diag ? launch_backward_diagnostics<ScoreOperand::kE4m3, false>
-          : launch_backward<ScoreOperand::kE4m3, false>)(p, ctas, stream);
+    (causal ? launch_main_kernel<ScoreOperand::kE4m3, true>
+            : launch_main_kernel<ScoreOperand::kE4m3, false>)(p, ctas, stream);
   }
 }
 

@@ -7,22 +7,22 @@ namespace flamia::sm90::bwd {
 template <>
 void launch_backward_diagnostics<ScoreOperand::kE4m3, true>(const Params& p, int ctas,
                                                             cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kE4m3, true, true>(p, ctas, stream);
+  launch_backward_impl<ScoreOperand::kE4m3, true, true, DqAddition::kByParams>(p, ctas, stream);
 }
 template <>
 void launch_backward_diagnostics<ScoreOperand::kE4m3, false>(const Params& p, int ctas,
                                                              cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kE4m3, false, true>(p, ctas, stream);
+  launch_backward_impl<ScoreOperand::kE4m3, false, true, DqAddition::kByParams>(p, ctas, stream);
 }
 template <>
 void launch_backward_diagnostics<ScoreOperand::kBf16, true>(const Params& p, int ctas,
                                                             cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kBf16, true, true>(p, ctas, stream);
+  launch_backward_impl<ScoreOperand::kBf16, true, true, DqAddition::kByParams>(p, ctas, stream);
 }
 template <>
 void launch_backward_diagnostics<ScoreOperand::kBf16, false>(const Params& p, int ctas,
                                                              cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kBf16, false, true>(p, ctas, stream);
+  launch_backward_impl<ScoreOperand::kBf16, false, true, DqAddition::kByParams>(p, ctas, stream);
 }
 
 }  // namespace flamia::sm90::bwd

@@ -4,12 +4,14 @@
 namespace flamia::sm90::bwd {
 
 template <>
-void launch_backward<ScoreOperand::kE4m3, true>(const Params& p, int ctas, cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kE4m3, true, false>(p, ctas, stream);
+void launch_backward<ScoreOperand::kE4m3, true, DqAddition::kBulk>(const Params& p, int ctas,
+                                                                   cudaStream_t stream) {
+  launch_backward_impl<ScoreOperand::kE4m3, true, false, DqAddition::kBulk>(p, ctas, stream);
 }
 template <>
-void launch_backward<ScoreOperand::kE4m3, false>(const Params& p, int ctas, cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kE4m3, false, false>(p, ctas, stream);
+void launch_backward<ScoreOperand::kE4m3, false, DqAddition::kBulk>(const Params& p, int ctas,
+                                                                    cudaStream_t stream) {
+  launch_backward_impl<ScoreOperand::kE4m3, false, false, DqAddition::kBulk>(p, ctas, stream);
 }
 
 }  // namespace flamia::sm90::bwd

@@ -140,9 +140,14 @@ struct Params {
   float* row_abs = nullptr;                   // [Hq][T] sum_j |dS_ij|
 };
 
-// Launches the persistent main kernel (bwd_mxfp8.cu, bwd_qk16.cu) with `ctas` CTAs; with
-// Params::diagnostics set, its statistics build (bwd_diagnostics.cu).
-template <ScoreOperand kScore, bool kCausal>
+// How the main kernel adds a step's dQ partial to the FP32 accumulator (epilogue_bwd.cuh): by bulk
+// reductions in any order, or from the registers in key-block order (Params::dq_turns, the
+// deterministic mode); the statistics build reads which from Params::dq_turns.
+enum class DqAddition { kBulk, kOrdered, kByParams };
+
+// Launches the persistent main kernel (bwd_mxfp8.cu, bwd_qk16.cu and their *_ordered.cu) with
+// `ctas` CTAs; with Params::diagnostics set, its statistics build (bwd_diagnostics.cu).
+template <ScoreOperand kScore, bool kCausal, DqAddition kDq>
 void launch_backward(const Params& p, int ctas, cudaStream_t stream);
 template <ScoreOperand kScore, bool kCausal>
 void launch_backward_diagnostics(const Params& p, int ctas, cudaStream_t stream);

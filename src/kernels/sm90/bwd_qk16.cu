@@ -5,12 +5,14 @@
 namespace flamia::sm90::bwd {
 
 template <>
-void launch_backward<ScoreOperand::kBf16, true>(const Params& p, int ctas, cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kBf16, true, false>(p, ctas, stream);
+void launch_backward<ScoreOperand::kBf16, true, DqAddition::kBulk>(const Params& p, int ctas,
+                                                                   cudaStream_t stream) {
+  launch_backward_impl<ScoreOperand::kBf16, true, false, DqAddition::kBulk>(p, ctas, stream);
 }
 template <>
-void launch_backward<ScoreOperand::kBf16, false>(const Params& p, int ctas, cudaStream_t stream) {
-  launch_backward_impl<ScoreOperand::kBf16, false, false>(p, ctas, stream);
+void launch_backward<ScoreOperand::kBf16, false, DqAddition::kBulk>(const Params& p, int ctas,
+                                                                    cudaStream_t stream) {
+  launch_backward_impl<ScoreOperand::kBf16, false, false, DqAddition::kBulk>(p, ctas, stream);
 }
 
 }  // namespace flamia::sm90::bwd

@@ -28,19 +28,25 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   return v;
 }
 
-// Orders this thread's generic-proxy global accesses with its bulk (async-proxy) ones.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
+// Adds four consecutive floats to global memory in L2 (REDG.F32x4; it flushes subnormals, as the
+// bulk reductions do).
+__device__ __forceinline__ void reduce_add_float4(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c),
+               "f"(d)
+               : "memory");
 }
 
 // The warpgroup's dQ partial (queries x its 64 head-dim columns) times 2^er per row, er from the
-// step's query maxima, staged in shared memory in fragment order and added to the accumulator's
-// slot by bulk reductions. Unordered: each warp adds its contiguous part as soon as its own stores
-// are done, issued by its first lane, which then waits until the previous step's reduction has
-// read its stage (the next step rewrites it, after barriers that order it). Ordered mode: one
-// reduction of the whole half per warpgroup, after those of key blocks 0..n-1 (2n turns), waited
-// for before the turn is counted (per-warp turns measured 3-4 % slower in this mode).
-template <typename Barrier>
+// step's query maxima, added to the accumulator's slot in fragment order.
+// Unordered: staged in shared memory and added by bulk reductions, each warp its contiguous part as
+// soon as its own stores are done, issued by its first lane, which then waits until the previous
+// step's reduction has read its stage (the next step rewrites it, after barriers that order it).
+// Ordered mode: after the additions of key blocks 0..n-1 (2n turns, one per warpgroup), every
+// thread adds its float4 groups from the registers (a warp's group is 512 contiguous bytes), then
+// the turn is counted. Measured (docs/PERF.md, fifth and sixth sessions): the register path is 3-23
+// % faster here, where a bulk reduction had to complete before the turn, and 8 % slower unordered.
+// Each fast kernel carries one path (DqAddition): with both, the unordered one ran 1.3 % slower.
+template <DqAddition kDq, typename Barrier>
 __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq)[kTileRegs],
                                                const int* row_max, float* stage,
                                                const StepItem& item, int q_tile, int t,
@@ -49,15 +55,17 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r)
     unit[r] = exp2i(scale_exponent_up_e4m3(__int_as_float(row_max[wgmma::acc_row(t, 2 * r)])));
-#pragma unroll
-  for (int i = 0; i < kTileRegs; i += 4)
-    *reinterpret_cast<float4*>(stage + dq_fragment_offset(t, i)) =
-        make_float4(dq[i] * unit[0], dq[i + 1] * unit[0], dq[i + 2] * unit[1], dq[i + 3] * unit[1]);
-  fence_async_shared();
   const int64_t slot_index =
       int64_t(item.head) * p.dq_slots + dq_tile_slot(item.begin, item.doc, q_tile);
   float* half = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;
-  if (p.dq_turns == nullptr) {
+  const bool ordered =
+      kDq == DqAddition::kByParams ? p.dq_turns != nullptr : kDq == DqAddition::kOrdered;
+  if (!ordered) {
+#pragma unroll
+    for (int i = 0; i < kTileRegs; i += 4)
+      *reinterpret_cast<float4*>(stage + dq_fragment_offset(t, i)) = make_float4(
+          dq[i] * unit[0], dq[i + 1] * unit[0], dq[i + 2] * unit[1], dq[i + 3] * unit[1]);
+    fence_async_shared();
     __syncwarp();
     if (lane_index() != 0) return;
     const int part = (t / kDqLanes) * kDqWarpFloats;
@@ -66,18 +74,19 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
     tma_store_wait_read<kDqStages - 1>();
     return;
   }
-  named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
-  if (t != 0) return;
   int* turn = p.dq_turns + slot_index;
-  while (load_acquire(turn) < kOrderedTurnsPerKeyBlock * item.key_block) {
+  if (t == 0) {
+    while (load_acquire(turn) < kOrderedTurnsPerKeyBlock * item.key_block) {
+    }
   }
-  fence_proxy_async_global();
-  bulk_reduce_add(half, stage, kDqHalfFloats * sizeof(float));
-  tma_store_commit();
-  tma_store_wait<0>();
-  fence_proxy_async_global();
-  __threadfence();
-  atomicAdd(turn, 1);
+  named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
+#pragma unroll
+  for (int i = 0; i < kTileRegs; i += 4)
+    reduce_add_float4(half + dq_fragment_offset(t, i), dq[i] * unit[0], dq[i + 1] * unit[0],
+                      dq[i + 2] * unit[1], dq[i + 3] * unit[1]);
+  __threadfence();  // this thread's additions before the turn is counted
+  named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
+  if (t == 0) atomicAdd(turn, 1);
 }
 
 // dK = scale * acc, dV = acc for the warpgroup's keys key0.. (rows of the accumulators).

@@ -22,7 +22,7 @@ namespace flamia::sm90::bwd {
 enum class ConsumerBarrier : uint32_t {
   kMaxReady = kFirstNamedBarrier,  // every query's |dS| maximum is in row_max
   kDsReady,                        // the quantized dS tile is in shared memory
-  kWarpgroup0,                     // ordered mode, one warpgroup: its dQ stage is written
+  kWarpgroup0,                     // ordered mode, one warpgroup: its dQ turn came / is done
   kWarpgroup1,
 };
 static_assert(named_barrier_id_valid(ConsumerBarrier::kWarpgroup1), "named barrier ids");
@@ -162,7 +162,7 @@ __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds
 
 // One query tile of one head against the warpgroup's keys: products, gradients, dV and dK
 // accumulation, dS through shared memory, the dQ partial.
-template <ScoreOperand kScore, bool kCausal, bool kDiagnostics>
+template <ScoreOperand kScore, bool kCausal, bool kDiagnostics, DqAddition kDq>
 __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kScore>& sm,
                                               int warpgroup, const StepItem& item, int m,
                                               uint32_t step, const KeyRows& kr,
@@ -215,12 +215,13 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
 
   float dq[kTileRegs];
   issue_dq_product<kScore>(dq, sm, warpgroup);
-  add_dq_partial(p, dq, row_max, sm.dq_stage[warpgroup][step % kDqStages], item, m, t, warpgroup,
-                 warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
+  add_dq_partial<kDq>(p, dq, row_max, sm.dq_stage[warpgroup][step % kDqStages], item, m, t,
+                      warpgroup,
+                      warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
   if constexpr (kDiagnostics) publish_diagnostics(p.diagnostics, diag);
 }
 
-template <ScoreOperand kScore, bool kCausal, bool kDiagnostics>
+template <ScoreOperand kScore, bool kCausal, bool kDiagnostics, DqAddition kDq>
 __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, int warpgroup) {
   const int t = threadIdx.x % kWarpgroupThreads;
   const int key_base = warpgroup * wgmma::kM + wgmma::acc_row(t, 0);  // the thread's first key
@@ -262,8 +263,8 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     for (int hh = 0; hh < p.group; ++hh) {
       const StepItem si{begin, length, n0, item.kv_head * p.group + hh, item.doc, item.key_block};
       for (int m = first_query_tile(item.key_block, kCausal); m < tiles; ++m, ++step)
-        backward_step<kScore, kCausal, kDiagnostics>(p, sm, warpgroup, si, m, step, kr, q_state, dv,
-                                                     dk);
+        backward_step<kScore, kCausal, kDiagnostics, kDq>(p, sm, warpgroup, si, m, step, kr,
+                                                          q_state, dv, dk);
     }
     // The last dQ product has completed, so the key block's shared memory is free: the producer
     // loads the next item's keys and first query tiles while dK and dV go out from registers.
