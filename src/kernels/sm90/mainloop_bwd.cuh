@@ -206,7 +206,7 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
 
   const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
   accumulate_key_products(dv, dk, ops, sm.doutt[q_state.index], sm.qt[q_state.index], dv_unit);
-  if (lane_index() == 0) sm.q_pipe.consumer_release(q_state);
+  sm.q_pipe.warp_release(q_state);
   q_state.advance();
   // The dS stores reach the dQ product's (async-proxy) reads: fenced only here, after the key
   // products, by when the stores have long completed (right after them the fence waited for them).
@@ -268,7 +268,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     }
     // The last dQ product has completed, so the key block's shared memory is free: the producer
     // loads the next item's keys and first query tiles while dK and dV go out from registers.
-    if (lane_index() == 0) sm.kv_pipe.consumer_release(kv_state);
+    sm.kv_pipe.warp_release(kv_state);
     kv_state.advance();
     store_key_gradients(p, dk, dv, begin, length, n0 + warpgroup * wgmma::kM, item.kv_head, t);
   }

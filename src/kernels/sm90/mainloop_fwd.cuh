@@ -91,7 +91,6 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
   static_assert(kHeadDim == kBlockN, "O and S share the accumulator shape");
   const int t = threadIdx.x % kWarpgroupThreads;
   const int quad = t % 4;
-  const bool releases = lane_index() == 0;
   PipelineState<kQStages> q_state;
   PipelineState<kStages> k_state, v_state;
   if (warpgroup == 1) end_turn(warpgroup);  // warpgroup 0 takes the first turn
@@ -133,10 +132,8 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     auto score_turn_tail = [&](float(&s)[kAccRegs], int kb) {
       wait_all(s);
       if constexpr (kKeyScales) scale_columns(s, sm.kscale[k_state.index], quad);
-      if (releases) {
-        sm.k_pipe.consumer_release(k_state);
-        if (kb == 0) sm.q_pipe.consumer_release(q_state);
-      }
+      sm.k_pipe.warp_release(k_state);
+      if (kb == 0) sm.q_pipe.warp_release(q_state);
       k_state.advance();
       sm.v_pipe.consumer_wait(v_state);
       const ValueScales& vs = sm.vscale[v_state.index];
@@ -153,7 +150,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       float o_tile[kAccRegs];
       issue_value_product(o_tile, a, sm.vt[v_state.index]);
       wait_all(o_tile);
-      if (releases) sm.v_pipe.consumer_release(v_state);
+      sm.v_pipe.warp_release(v_state);
       v_state.advance();
 #pragma unroll
       for (int i = 0; i < kAccRegs; ++i) o[i] = fmaf(o[i], o_rescale[acc_row_half(i)], o_tile[i]);

@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "arch.cuh"
+
 namespace flamia::sm90 {
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
@@ -98,6 +100,12 @@ struct Pipeline {
   }
   __device__ __forceinline__ void consumer_release(const PipelineState<Stages>& st) {
     mbarrier_arrive(&empty[st.index]);
+  }
+  // A consumer warp releases the stage with one arrival: the __syncwarp orders every lane's reads
+  // of the stage before lane 0's arrival (its release covers only lane 0's own accesses otherwise).
+  __device__ __forceinline__ void warp_release(const PipelineState<Stages>& st) {
+    __syncwarp();
+    if (lane_index() == 0) consumer_release(st);
   }
 };
 
