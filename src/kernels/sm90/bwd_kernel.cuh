@@ -37,7 +37,8 @@ static_assert(4 * kTileRegs + kTileRegs + kTileRegs + 2 * kQuerySlices * 4 + kCo
               "consumer register budget too small");
 
 // Full barriers: the key block by the elected lane (one arrival plus the bytes); a query step by
-// all 32 producer lanes, each after its row stores. Empty barriers: lane 0 of every consumer warp.
+// all 32 producer lanes, each after its row stores. Empty barriers: lane 0 of every consumer warp
+// after a __syncwarp (Pipeline::warp_release).
 constexpr uint32_t kKeyBlockArrivals = 1;
 constexpr uint32_t kStepArrivals = kWarpThreads;
 

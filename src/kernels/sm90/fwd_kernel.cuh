@@ -36,7 +36,7 @@ static_assert(2 * kAccRegs + kKSlices * kFragRegs + kConsumerRegHeadroom <= kCon
 
 // Full barriers: Q by the producer's elected lane (one arrival plus the bytes); K and V^T by all
 // 32 producer lanes, each after its own scale-vector stores. Empty barriers: lane 0 of every
-// consumer warp, after its warpgroup's wgmma wait.
+// consumer warp, after its warpgroup's wgmma wait and a __syncwarp (Pipeline::warp_release).
 constexpr uint32_t kQFullArrivals = 1;
 constexpr uint32_t kTileFullArrivals = kWarpThreads;
 
