@@ -43,9 +43,9 @@ __device__ __forceinline__ void reduce_add_float4(float* dst, float a, float b, 
 // step's reduction has read its stage (the next step rewrites it, after barriers that order it).
 // Ordered mode: after the additions of key blocks 0..n-1 (2n turns, one per warpgroup), every
 // thread adds its float4 groups from the registers (a warp's group is 512 contiguous bytes), then
-// the turn is counted. Measured (docs/PERF.md, fifth and sixth sessions): the register path is 3-23
-// % faster here, where a bulk reduction had to complete before the turn, and 8 % slower unordered.
-// Each fast kernel carries one path (DqAddition): with both, the unordered one ran 1.3 % slower.
+// the turn is counted. Measured (docs/PERF.md, sessions 5 and 6): here the register path is 3 to
+// 23 % faster, because a bulk reduction had to complete before the turn; unordered it is 8 %
+// slower. Each fast kernel carries one path (DqAddition): with both, unordered lost 1.3 %.
 template <DqAddition kDq, typename Barrier>
 __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq)[kTileRegs],
                                                const int* row_max, float* stage,
