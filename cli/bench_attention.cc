@@ -143,13 +143,6 @@ enum Scalar {
   kNumScalars = kAmaxOut + 6
 };
 
-// Stream-ordered: the stages run on a non-blocking stream, which a plain cudaMemcpy's legacy
-// default stream does not order.
-template <typename T>
-DeviceBuffer upload(const std::vector<T>& v, cudaStream_t s) {
-  return DeviceBuffer::upload(v, s);
-}
-
 void fill(DeviceBuffer& b, uint64_t seed, cudaStream_t s) {
   cuda::fill_random_bf16(b.get<uint16_t>(), int64_t(b.bytes() / sizeof(uint16_t)), seed, s);
 }
@@ -183,15 +176,17 @@ Buffers make_buffers(const Workload& w, const bench::SdpaProblem& p, uint64_t se
   for (size_t d = 0; d + 1 < cu.size(); ++d)
     for (int64_t t = cu[d]; t < cu[d + 1]; ++t)
       pad[size_t(t)] = int64_t(d) * p.max_len() + (t - cu[d]);
-  b.seq_len = upload(seq, s);
-  b.ragged_q = upload(rq, s);
-  b.ragged_kv = upload(rkv, s);
-  b.cu_seqlens = upload(cu, s);
-  b.pad_row = upload(pad, s);
+  // In the stream: the stages run on a non-blocking stream, which does not wait for the legacy
+  // default stream's copies.
+  b.seq_len = DeviceBuffer::upload(seq, s);
+  b.ragged_q = DeviceBuffer::upload(rq, s);
+  b.ragged_kv = DeviceBuffer::upload(rkv, s);
+  b.cu_seqlens = DeviceBuffer::upload(cu, s);
+  b.pad_row = DeviceBuffer::upload(pad, s);
   std::vector<float> scalars(kNumScalars, 1.0f);
   scalars[kScaleS] = kProbabilityScale;
   scalars[kDescaleS] = 1.0f / kProbabilityScale;
-  b.scalars = upload(scalars, s);
+  b.scalars = DeviceBuffer::upload(scalars, s);
   return b;
 }
 
