@@ -66,7 +66,7 @@ constexpr int kDqSlotFloats = 2 * kDqHalfFloats;
 constexpr int kDqFragThreads = 128;  // one warpgroup
 constexpr int kDqLanes = 32;         // one warp
 constexpr int kDqWarpFloats = kDqHalfFloats / (kDqFragThreads / kDqLanes);
-constexpr int kOrderedTurnsPerKeyBlock = 2;  // ordered mode: one reduction per warpgroup
+constexpr int kOrderedTurnsPerKeyBlock = 2;  // ordered mode: one turn per warpgroup
 FLAMIA_HD int dq_fragment_offset(int thread, int reg) {
   return (thread / kDqLanes) * kDqWarpFloats + (reg / 4) * 4 * kDqLanes + 4 * (thread % kDqLanes) +
          reg % 4;

@@ -233,8 +233,8 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     sm.kv_pipe.consumer_wait(kv_state);
     const WorkItem item = sm.item;
     if (item.doc < 0) {
-      // Shared memory goes with the CTA: the last dQ reductions (one per warp, or per warpgroup
-      // in ordered mode) must have read their stages.
+      // Shared memory goes with the CTA: the last bulk dQ reductions (one per warp; none in
+      // ordered mode, which adds from the registers) must have read their stages.
       if (lane_index() == 0) tma_store_wait_read<0>();
       return;
     }
