@@ -24,7 +24,7 @@ namespace flamia {
 
 // The forward kernel's query and key tiles; the emulator reproduces the kernel's numerics when run
 // with these (EmulatorConfig::forward).
-constexpr TileShape kGpuForwardTiles{128, 128};
+constexpr TileShape kGpuForwardTiles{192, 128};
 // The backward's: 64 query rows per step, 128 keys per work item (EmulatorConfig::backward).
 constexpr TileShape kGpuBackwardTiles{64, 128};
 

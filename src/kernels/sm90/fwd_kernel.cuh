@@ -1,9 +1,9 @@
-// The forward attention kernel (DESIGN §6), one persistent CTA per multiprocessor, 384 threads:
+// The forward attention kernel (DESIGN §6), one persistent CTA per multiprocessor, 512 threads:
 //   warpgroup 0, warp 0  producer: takes work items from the GPU-built list through an atomic
 //                        counter, TMA-loads each item's Q, then its K and V^T tiles (last first)
 //                        into two-stage rings, and stages each tile's key scale vectors
 //                        (fwd_scales.cuh); the other three warps of the warpgroup exit at once.
-//   warpgroups 1, 2      consumers: 64 query rows each (mainloop_fwd.cuh).
+//   warpgroups 1-3       consumers: 64 query rows each (mainloop_fwd.cuh).
 // Included by the two instantiation files (fwd_mxfp8.cu, fwd_qk16.cu) only.
 #pragma once
 
@@ -17,17 +17,19 @@ namespace flamia::sm90::fwd {
 
 enum class Warpgroup : uint32_t { kProducer = 0, kFirstConsumer = 1 };
 constexpr uint32_t kProducerWarpgroups = 1;
-constexpr uint32_t kConsumerWarpgroups = 2;
-constexpr uint32_t kThreads = (kProducerWarpgroups + kConsumerWarpgroups) * kWarpgroupThreads;
-constexpr uint32_t kConsumerWarps = kConsumerWarpgroups * kWarpgroupWarps;
+constexpr uint32_t kThreads =
+    (kProducerWarpgroups + uint32_t(kConsumerWarpgroups)) * kWarpgroupThreads;
+constexpr uint32_t kConsumerWarps = uint32_t(kConsumerWarpgroups) * kWarpgroupWarps;
 static_assert(kConsumerWarpgroups * wgmma::kM == kBlockM, "each consumer owns 64 query rows");
 
-// Registers: the producer keeps loop state and one tile's exponent codes; a consumer holds O, one
-// of S / O_tile, the packed P~ and the row state, which the budget below must cover.
-constexpr uint32_t kProducerRegs = 40;
+// Registers: the producer keeps loop state and one tile's exponent codes; a consumer holds O, S
+// (or half of O_tile: the PV product runs in two halves), the packed P~ and the row state, which
+// the budget below must cover. Three consumer warpgroups leave 160 each: three warps per
+// scheduler instead of two to hide the softmax's dependent chain.
+constexpr uint32_t kProducerRegs = 32;
 constexpr uint32_t kConsumerRegs =
     consumer_register_budget(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups);
-constexpr uint32_t kConsumerRegHeadroom = 48;
+constexpr uint32_t kConsumerRegHeadroom = 16;
 static_assert(register_split_fits(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups,
                                   kConsumerRegs),
               "setmaxnreg budgets exceed the register file");

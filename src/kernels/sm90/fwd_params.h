@@ -13,8 +13,9 @@
 
 namespace flamia::sm90::fwd {
 
-constexpr int kBlockM = 128;   // query rows per work item: two consumer warpgroups of 64
-constexpr int kBlockN = 128;   // keys per tile
+constexpr int kBlockM = 192;  // query rows per work item: three consumer warpgroups of 64
+constexpr int kBlockN = 128;  // keys per tile
+constexpr int kConsumerWarpgroups = kBlockM / wgmma::kM;
 constexpr int kHeadDim = 128;  // the one head dimension instantiated
 constexpr int kStages = 2;     // depth of the K and V^T rings
 constexpr int kQStages = 2;    // depth of the Q ring (a work item's Q travels with it)

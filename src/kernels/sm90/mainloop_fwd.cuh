@@ -8,6 +8,8 @@
 // keys of V^T in the order the accumulator fragment hands them out.
 #pragma once
 
+#include <type_traits>
+
 #include "epilogue_fwd.cuh"
 #include "fp8_convert.cuh"
 #include "fwd_smem.cuh"
@@ -19,26 +21,31 @@ namespace flamia::sm90::fwd {
 constexpr int kKSlices = kBlockN / wgmma::kKE4m3;  // k32 slices of the PV product
 constexpr int kFragRegs = 4;                       // b32 registers of one A fragment
 
-// The two consumer warpgroups take turns on the tensor cores (ping-pong): each turn is one
+// The consumer warpgroups take turns on the tensor cores, round robin: each turn is one
 // warpgroup's MMAs between two softmaxes — the PV product of its last tile and the score product
-// of its next — so one warpgroup's softmax runs while the other's MMAs do. A turn begins with a
-// sync on the warpgroup's own barrier and ends with an arrive on the other's; warpgroup 0 starts.
+// of its next — so the others' softmaxes run while its MMAs do. A turn begins with a sync on the
+// warpgroup's own barrier and ends with an arrive on the next one's; warpgroup 0 starts.
 enum class ConsumerBarrier : uint32_t {
-  kTurn0 = kFirstNamedBarrier,  // warpgroup 0 may issue MMAs
-  kTurn1,                       // warpgroup 1 may issue MMAs
+  kTurn0 = kFirstNamedBarrier,  // warpgroup w may issue MMAs: kTurn0 + w
+  kTurnLast = kTurn0 + kConsumerWarpgroups - 1,
 };
-static_assert(named_barrier_id_valid(ConsumerBarrier::kTurn1), "named barrier ids");
+static_assert(named_barrier_id_valid(ConsumerBarrier::kTurnLast), "named barrier ids");
 constexpr uint32_t kTurnThreads = 2 * kWarpgroupThreads;  // the waiter and the signaller
 
 __device__ __forceinline__ ConsumerBarrier turn_of(int warpgroup) {
-  return warpgroup == 0 ? ConsumerBarrier::kTurn0 : ConsumerBarrier::kTurn1;
+  return ConsumerBarrier(uint32_t(ConsumerBarrier::kTurn0) + uint32_t(warpgroup));
 }
 __device__ __forceinline__ void begin_turn(int warpgroup) {
   named_barrier_sync(turn_of(warpgroup), kTurnThreads);
 }
 __device__ __forceinline__ void end_turn(int warpgroup) {
-  named_barrier_arrive(turn_of(1 - warpgroup), kTurnThreads);
+  named_barrier_arrive(turn_of((warpgroup + 1) % kConsumerWarpgroups), kTurnThreads);
 }
+
+// Causal items start with the key tiles their 192 rows' diagonal crosses (two of 128 keys); the
+// non-causal ones with the tile holding the document's end. Those run the masked softmax.
+template <bool kCausal>
+constexpr int kMaskedTiles = kCausal ? (kBlockM + kBlockN - 1) / kBlockN : 1;
 
 template <ScoreOperand kScore>
 __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
@@ -71,17 +78,29 @@ __device__ __forceinline__ void wait_all(float (&acc)[kAccRegs]) {
   wgmma::fence_operands(acc);
 }
 
-__device__ __forceinline__ void issue_value_product(float (&o_tile)[kAccRegs],
+// Half of the head dim per PV product: O_tile's half (32 registers) instead of all of it keeps a
+// consumer inside its 160 registers.
+constexpr int kPvHalves = 2;
+constexpr int kPvHalfDim = kHeadDim / kPvHalves;
+constexpr int kPvHalfRegs = kAccRegs / kPvHalves;
+
+__device__ __forceinline__ void issue_value_product(float (&o_half)[kPvHalfRegs],
                                                     const uint32_t (&a)[kKSlices][kFragRegs],
-                                                    const uint8_t* vt) {
-  const uint64_t desc_v = wgmma::make_desc_sw128(vt);
-  wgmma::fence_operands(o_tile);
+                                                    const uint8_t* vt, int half) {
+  // V^T rows are head dims of kBlockN key bytes: half h starts kPvHalfDim rows in.
+  const uint64_t desc_v = wgmma::make_desc_sw128(vt + half * kPvHalfDim * kBlockN);
+  wgmma::fence_operands(o_half);
   wgmma::fence();
 #pragma unroll
   for (int k = 0; k < kKSlices; ++k)
-    wgmma::mma_e4m3_rs<kHeadDim>(o_tile, a[k], wgmma::desc_advance(desc_v, k * wgmma::kKBytes),
-                                 k > 0);
+    wgmma::mma_e4m3_rs<kPvHalfDim>(o_half, a[k], wgmma::desc_advance(desc_v, k * wgmma::kKBytes),
+                                   k > 0);
   wgmma::commit();
+}
+
+// The item row (0 .. kBlockM - 1) of a thread's accumulator row r.
+__device__ __forceinline__ int thread_row(int warpgroup, int t, int r) {
+  return warpgroup * wgmma::kM + wgmma::acc_row(t, 2 * r);
 }
 
 template <ScoreOperand kScore, bool kCausal>
@@ -93,43 +112,67 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
   const int quad = t % 4;
   PipelineState<kQStages> q_state;
   PipelineState<kStages> k_state, v_state;
-  if (warpgroup == 1) end_turn(warpgroup);  // warpgroup 0 takes the first turn
+  // The last warpgroup opens warpgroup 0's first turn.
+  if (warpgroup == kConsumerWarpgroups - 1) end_turn(warpgroup);
 
   for (;;) {
     sm.q_pipe.consumer_wait(q_state);
     const WorkItem item = sm.item[q_state.index];
     if (item.doc < 0) return;
-    const int64_t begin = p.cu_seqlens[item.doc];
-    const int length = int(p.cu_seqlens[item.doc + 1] - begin);
-    const int m0 = item.q_tile * kBlockM;
-
-    int row[kRows];
-    float row_factor[kRows];
-    EpilogueRows out_rows;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      row[r] = warpgroup * wgmma::kM + wgmma::acc_row(t, 2 * r);
-      const int64_t token = begin + m0 + row[r];
-      out_rows.token[r] = token;
-      out_rows.valid[r] = m0 + row[r] < length;
-      float e = 1.0f;
-      if constexpr (kKeyScales)
-        e = ue8m0::decode(token < p.tokens_padded
-                              ? __ldg(p.q_exponents + item.head * p.tokens_padded + token)
-                              : kUnitExponentCode);
-      row_factor[r] = p.scale_log2 * e;
-    }
+    ItemRows rows;
+    rows.begin = p.cu_seqlens[item.doc];
+    rows.length = int(p.cu_seqlens[item.doc + 1] - rows.begin);
+    rows.m0 = item.q_tile * kBlockM;
     RowState st;
-    st.init(row_factor);
+    {
+      float row_factor[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t token = rows.begin + rows.m0 + thread_row(warpgroup, t, r);
+        float e = 1.0f;
+        if constexpr (kKeyScales)
+          e = ue8m0::decode(token < p.tokens_padded
+                                ? __ldg(p.q_exponents + item.head * p.tokens_padded + token)
+                                : kUnitExponentCode);
+        row_factor[r] = p.scale_log2 * e;
+      }
+      st.init(row_factor);
+    }
     float o[kAccRegs];
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) o[i] = 0.0f;
     uint32_t a[kKSlices][kFragRegs];
     float o_rescale[kRows];
 
-    // Score product of tile kb and its softmax, P~ packed into `a`; the first (kb = last) tile is
-    // the masked one.
-    auto score_turn_tail = [&](float(&s)[kAccRegs], int kb) {
+    // A warpgroup whose rows all lie past the document's end has nothing to compute in the item;
+    // under the causal mask, one whose rows all precede the first processed tile's keys has
+    // nothing in that tile. Such a turn keeps its place in the round and the pipeline arrivals
+    // and skips the MMAs and the softmax: for a row without visible keys the update is the
+    // identity. (A path of its own: wgmma under a data-dependent branch serialises the pipeline.)
+    const int first_row = rows.m0 + warpgroup * wgmma::kM;
+    const int last = item.key_blocks - 1;
+    auto idle_turn = [&](int kb) {
+      begin_turn(warpgroup);
+      sm.k_pipe.consumer_wait(k_state);
+      end_turn(warpgroup);
+      sm.k_pipe.warp_release(k_state);
+      if (kb == 0) sm.q_pipe.warp_release(q_state);
+      k_state.advance();
+      sm.v_pipe.consumer_wait(v_state);
+      sm.v_pipe.warp_release(v_state);
+      v_state.advance();
+    };
+    if (first_row >= rows.length) {
+      for (int kb = last; kb >= 0; --kb) idle_turn(kb);
+      begin_turn(warpgroup);  // the round's closing turn
+      end_turn(warpgroup);
+      q_state.advance();
+      continue;
+    }
+
+    // Score product of tile kb and its softmax, P~ packed into `a`; the first kMaskedTiles tiles
+    // (from kb = last) are masked, a compile-time flag so that the loop carries no mask code.
+    auto score_turn_tail = [&](auto masked, float(&s)[kAccRegs], int kb) {
       wait_all(s);
       if constexpr (kKeyScales) scale_columns(s, sm.kscale[k_state.index], quad);
       sm.k_pipe.warp_release(k_state);
@@ -137,48 +180,69 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       k_state.advance();
       sm.v_pipe.consumer_wait(v_state);
       const ValueScales& vs = sm.vscale[v_state.index];
-      if (kb == item.key_blocks - 1) {
+      if constexpr (decltype(masked)::value) {
         const int n0 = kb * kBlockN;
-        softmax_masked_tile<kFirstMask>(s, st, vs, quad, row, m0 - n0, length - n0, o_rescale);
+        int row[kRows];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) row[r] = thread_row(warpgroup, t, r);
+        softmax_masked_tile<kFirstMask>(s, st, vs, quad, row, rows.m0 - n0, rows.length - n0,
+                                        o_rescale);
       } else {
         softmax_visible_tile(s, st, vs, quad, o_rescale);
       }
       pack_a_fragments<kKSlices>(s, a);
     };
-    // PV of the tile whose P~ is in `a`, then O = O * rescale + O_tile.
+    // PV of the tile whose P~ is in `a`, then O = O * rescale + O_tile, half the head dim at a
+    // time.
     auto value_turn = [&]() {
-      float o_tile[kAccRegs];
-      issue_value_product(o_tile, a, sm.vt[v_state.index]);
-      wait_all(o_tile);
+#pragma unroll
+      for (int half = 0; half < kPvHalves; ++half) {
+        float o_half[kPvHalfRegs];
+        issue_value_product(o_half, a, sm.vt[v_state.index], half);
+        wgmma::wait<0>();
+        wgmma::fence_operands(o_half);
+#pragma unroll
+        for (int i = 0; i < kPvHalfRegs; ++i) {
+          float& oi = o[half * kPvHalfRegs + i];
+          oi = fmaf(oi, o_rescale[acc_row_half(i)], o_half[i]);
+        }
+      }
       sm.v_pipe.warp_release(v_state);
       v_state.advance();
-#pragma unroll
-      for (int i = 0; i < kAccRegs; ++i) o[i] = fmaf(o[i], o_rescale[acc_row_half(i)], o_tile[i]);
     };
-
-    {
-      float s[kAccRegs];
-      begin_turn(warpgroup);
-      sm.k_pipe.consumer_wait(k_state);
-      issue_score_product<kScore>(s, sm, q_state.index, k_state.index, warpgroup);
-      end_turn(warpgroup);
-      score_turn_tail(s, item.key_blocks - 1);
-    }
     // A turn: PV of the last tile (waited for, so O_tile and S are never live together), the O
-    // update, then S of the next tile, left in flight for the other warpgroup's turn.
-    for (int kb = item.key_blocks - 2; kb >= 0; --kb) {
+    // update, then S of the next tile, left in flight for the other warpgroups' turns.
+    auto next_turn = [&](auto masked, int kb) {
       float s[kAccRegs];
       begin_turn(warpgroup);
       value_turn();
       sm.k_pipe.consumer_wait(k_state);
       issue_score_product<kScore>(s, sm, q_state.index, k_state.index, warpgroup);
       end_turn(warpgroup);
-      score_turn_tail(s, kb);
+      score_turn_tail(masked, s, kb);
+    };
+
+    int kb = last;
+    if (kCausal && first_row + wgmma::kM <= last * kBlockN) idle_turn(kb--);
+    {
+      float s[kAccRegs];
+      begin_turn(warpgroup);
+      sm.k_pipe.consumer_wait(k_state);
+      issue_score_product<kScore>(s, sm, q_state.index, k_state.index, warpgroup);
+      end_turn(warpgroup);
+      score_turn_tail(std::true_type{}, s, kb);
     }
+    for (--kb; kb >= 0 && kb > last - kMaskedTiles<kCausal>; --kb) next_turn(std::true_type{}, kb);
+    for (; kb >= 0; --kb) next_turn(std::false_type{}, kb);
     begin_turn(warpgroup);
     value_turn();
     end_turn(warpgroup);
-    store_outputs(p, o, st, out_rows, item.head, quad);
+    {
+      int row[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) row[r] = thread_row(warpgroup, t, r);
+      store_outputs(p, o, st, rows, row, item.head, quad);
+    }
     q_state.advance();
   }
 }

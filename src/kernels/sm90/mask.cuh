@@ -1,6 +1,6 @@
-// Masks of the forward's key tiles. Only a work item's first tile (processed first: the causal
-// diagonal, or the tile holding the document's end) is masked; every other tile is fully visible
-// to every row and runs code without any mask (MaskKind::kNone).
+// Masks of the forward's key tiles. Only a work item's first tiles (processed first: the two the
+// causal diagonal of its 192 rows crosses, or the tile holding the document's end) are masked;
+// every other tile is fully visible to every row and runs code without any mask (MaskKind::kNone).
 #pragma once
 
 #include "fwd_params.h"

@@ -68,5 +68,7 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 static_assert(consumer_register_budget(1, 40, 2) == 232 &&
                   consumer_register_budget(1, 32, 2) == 232,
               "launch pool of three warpgroups");
+// 4 warpgroups: 128 per thread at launch, so 32 + 3 x 160 fits.
+static_assert(consumer_register_budget(1, 32, 3) == 160, "launch pool of four warpgroups");
 
 }  // namespace flamia::sm90

@@ -164,7 +164,8 @@ __device__ __forceinline__ void softmax_masked_tile(float (&s)[kAccRegs], RowSta
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float m_new = updated_max(st.m[r], mx[r], st.rf[r]);
-    const int ref_new = max(st.ref[r], vs.prefix_max[last[r]]);
+    // A row may see none of the tile's keys (rows 0..63 of a 192-row item against its last tile).
+    const int ref_new = last[r] >= 0 ? max(st.ref[r], vs.prefix_max[last[r]]) : st.ref[r];
     const float alpha = exp2_approx(st.m[r] - exp_base(m_new));
     o_rescale[r] = alpha * pow2_nonpositive(st.ref[r] - ref_new);
     st.l[r] *= alpha;
