@@ -18,6 +18,13 @@ __device__ __forceinline__ uint32_t warp_index() {
 __device__ __forceinline__ uint32_t warpgroup_index() {
   return __shfl_sync(0xffffffffu, threadIdx.x / kWarpgroupThreads, 0);
 }
+// The same, read from %tid.x anew at each call (volatile: never kept in a register between calls),
+// for a value needed now and then across a loop whose registers are all taken.
+__device__ __forceinline__ uint32_t warpgroup_index_reread() {
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  return tid / kWarpgroupThreads;
+}
 __device__ __forceinline__ uint32_t lane_index() {
   return threadIdx.x % kWarpThreads;
 }

@@ -15,7 +15,7 @@
 
 namespace flamia::sm90::fwd {
 
-enum class Warpgroup : uint32_t { kProducer = 0, kFirstConsumer = 1 };
+enum class Warpgroup : uint32_t { kProducer = 0, kFirstConsumer = kFirstConsumerWarpgroup };
 constexpr uint32_t kProducerWarpgroups = 1;
 constexpr uint32_t kThreads =
     (kProducerWarpgroups + uint32_t(kConsumerWarpgroups)) * kWarpgroupThreads;

@@ -32,14 +32,22 @@ enum class ConsumerBarrier : uint32_t {
 static_assert(named_barrier_id_valid(ConsumerBarrier::kTurnLast), "named barrier ids");
 constexpr uint32_t kTurnThreads = 2 * kWarpgroupThreads;  // the waiter and the signaller
 
-__device__ __forceinline__ ConsumerBarrier turn_of(int warpgroup) {
-  return ConsumerBarrier(uint32_t(ConsumerBarrier::kTurn0) + uint32_t(warpgroup));
+// Consumer warpgroups are warpgroups 1.. of the CTA (fwd_kernel.cuh). The turn barriers' ids are
+// recomputed from %tid.x at each turn rather than held through the softmax, whose 160 registers
+// are all taken: 1.5-3 % faster mxfp8 forward, mxfp8-qk16 unchanged (docs/PERF.md, seventh
+// session).
+constexpr uint32_t kFirstConsumerWarpgroup = 1;
+__device__ __forceinline__ uint32_t turn_consumer() {
+  return warpgroup_index_reread() - kFirstConsumerWarpgroup;
 }
-__device__ __forceinline__ void begin_turn(int warpgroup) {
-  named_barrier_sync(turn_of(warpgroup), kTurnThreads);
+__device__ __forceinline__ ConsumerBarrier turn_of(uint32_t warpgroup) {
+  return ConsumerBarrier(uint32_t(ConsumerBarrier::kTurn0) + warpgroup);
 }
-__device__ __forceinline__ void end_turn(int warpgroup) {
-  named_barrier_arrive(turn_of((warpgroup + 1) % kConsumerWarpgroups), kTurnThreads);
+__device__ __forceinline__ void begin_turn() {
+  named_barrier_sync(turn_of(turn_consumer()), kTurnThreads);
+}
+__device__ __forceinline__ void end_turn() {
+  named_barrier_arrive(turn_of((turn_consumer() + 1) % kConsumerWarpgroups), kTurnThreads);
 }
 
 // Causal items start with the key tiles their 192 rows' diagonal crosses (two of 128 keys); the
@@ -113,7 +121,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
   PipelineState<kQStages> q_state;
   PipelineState<kStages> k_state, v_state;
   // The last warpgroup opens warpgroup 0's first turn.
-  if (warpgroup == kConsumerWarpgroups - 1) end_turn(warpgroup);
+  if (warpgroup == kConsumerWarpgroups - 1) end_turn();
 
   for (;;) {
     sm.q_pipe.consumer_wait(q_state);
@@ -152,9 +160,9 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     const int first_row = rows.m0 + warpgroup * wgmma::kM;
     const int last = item.key_blocks - 1;
     auto idle_turn = [&](int kb) {
-      begin_turn(warpgroup);
+      begin_turn();
       sm.k_pipe.consumer_wait(k_state);
-      end_turn(warpgroup);
+      end_turn();
       sm.k_pipe.warp_release(k_state);
       if (kb == 0) sm.q_pipe.warp_release(q_state);
       k_state.advance();
@@ -164,8 +172,8 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     };
     if (first_row >= rows.length) {
       for (int kb = last; kb >= 0; --kb) idle_turn(kb);
-      begin_turn(warpgroup);  // the round's closing turn
-      end_turn(warpgroup);
+      begin_turn();  // the round's closing turn
+      end_turn();
       q_state.advance();
       continue;
     }
@@ -214,11 +222,11 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     // update, then S of the next tile, left in flight for the other warpgroups' turns.
     auto next_turn = [&](auto masked, int kb) {
       float s[kAccRegs];
-      begin_turn(warpgroup);
+      begin_turn();
       value_turn();
       sm.k_pipe.consumer_wait(k_state);
       issue_score_product<kScore>(s, sm, q_state.index, k_state.index, warpgroup);
-      end_turn(warpgroup);
+      end_turn();
       score_turn_tail(masked, s, kb);
     };
 
@@ -226,17 +234,17 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     if (kCausal && first_row + wgmma::kM <= last * kBlockN) idle_turn(kb--);
     {
       float s[kAccRegs];
-      begin_turn(warpgroup);
+      begin_turn();
       sm.k_pipe.consumer_wait(k_state);
       issue_score_product<kScore>(s, sm, q_state.index, k_state.index, warpgroup);
-      end_turn(warpgroup);
+      end_turn();
       score_turn_tail(std::true_type{}, s, kb);
     }
     for (--kb; kb >= 0 && kb > last - kMaskedTiles<kCausal>; --kb) next_turn(std::true_type{}, kb);
     for (; kb >= 0; --kb) next_turn(std::false_type{}, kb);
-    begin_turn(warpgroup);
+    begin_turn();
     value_turn();
-    end_turn(warpgroup);
+    end_turn();
     {
       int row[kRows];
 #pragma unroll
