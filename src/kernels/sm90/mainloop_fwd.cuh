@@ -110,6 +110,10 @@ __device__ __forceinline__ void issue_value_product(float (&o_half)[kPvHalfRegs]
 __device__ __forceinline__ int thread_row(int warpgroup, int t, int r) {
   return warpgroup * wgmma::kM + wgmma::acc_row(t, 2 * r);
 }
+__device__ __forceinline__ void thread_rows(int warpgroup, int t, int (&row)[kRows]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) row[r] = thread_row(warpgroup, t, r);
+}
 
 template <ScoreOperand kScore, bool kCausal>
 __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, int warpgroup) {
@@ -191,8 +195,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       if constexpr (decltype(masked)::value) {
         const int n0 = kb * kBlockN;
         int row[kRows];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) row[r] = thread_row(warpgroup, t, r);
+        thread_rows(warpgroup, t, row);
         softmax_masked_tile<kFirstMask>(s, st, vs, quad, row, rows.m0 - n0, rows.length - n0,
                                         o_rescale);
       } else {
@@ -247,8 +250,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     end_turn();
     {
       int row[kRows];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) row[r] = thread_row(warpgroup, t, r);
+      thread_rows(warpgroup, t, row);
       store_outputs(p, o, st, rows, row, item.head, quad);
     }
     q_state.advance();
