@@ -30,10 +30,17 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 
 // Adds four consecutive floats to global memory in L2 (REDG.F32x4; it flushes subnormals, as the
 // bulk reductions do).
-__device__ __forceinline__ void reduce_add_float4(float* dst, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c),
-               "f"(d)
+__device__ __forceinline__ void reduce_add_float4(float* dst, float4 v) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w)
                : "memory");
+}
+
+// Accumulator registers i..i+3 (rows r and r + 8) times their rows' units: one float4 of a slot.
+__device__ __forceinline__ float4 scaled_group(const float (&dq)[kTileRegs], int i,
+                                               const float (&unit)[kKeyRows]) {
+  return make_float4(dq[i] * unit[0], dq[i + 1] * unit[0], dq[i + 2] * unit[1],
+                     dq[i + 3] * unit[1]);
 }
 
 // The warpgroup's dQ partial (queries x its 64 head-dim columns) times 2^er per row, er from the
@@ -63,8 +70,7 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   if (!ordered) {
 #pragma unroll
     for (int i = 0; i < kTileRegs; i += 4)
-      *reinterpret_cast<float4*>(stage + dq_fragment_offset(t, i)) = make_float4(
-          dq[i] * unit[0], dq[i + 1] * unit[0], dq[i + 2] * unit[1], dq[i + 3] * unit[1]);
+      *reinterpret_cast<float4*>(stage + dq_fragment_offset(t, i)) = scaled_group(dq, i, unit);
     fence_async_shared();
     __syncwarp();
     if (lane_index() != 0) return;
@@ -82,8 +88,7 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
 #pragma unroll
   for (int i = 0; i < kTileRegs; i += 4)
-    reduce_add_float4(half + dq_fragment_offset(t, i), dq[i] * unit[0], dq[i + 1] * unit[0],
-                      dq[i + 2] * unit[1], dq[i + 3] * unit[1]);
+    reduce_add_float4(half + dq_fragment_offset(t, i), scaled_group(dq, i, unit));
   __threadfence();  // this thread's additions before the turn is counted
   named_barrier_sync(warpgroup_barrier, kWarpgroupThreads);
   if (t == 0) atomicAdd(turn, 1);
