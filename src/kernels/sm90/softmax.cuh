@@ -164,7 +164,9 @@ __device__ __forceinline__ void softmax_masked_tile(float (&s)[kAccRegs], RowSta
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float m_new = updated_max(st.m[r], mx[r], st.rf[r]);
-    // A row may see none of the tile's keys (rows 0..63 of a 192-row item against its last tile).
+    // Idle turns (mainloop_fwd.cuh) keep warpgroups whose rows see none of a tile's keys out of
+    // here, so last >= 0; the guard still keeps such a row's state rather than read
+    // prefix_max[-1] (dropping it waits for a GPU run).
     const int ref_new = last[r] >= 0 ? max(st.ref[r], vs.prefix_max[last[r]]) : st.ref[r];
     const float alpha = exp2_approx(st.m[r] - exp_base(m_new));
     o_rescale[r] = alpha * pow2_nonpositive(st.ref[r] - ref_new);
