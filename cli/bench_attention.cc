@@ -84,6 +84,7 @@ struct Options {
   int reps = 30, warmup = 5;
   bool graphs = true;
   bool deterministic = false;  // also time the backward with deterministic dQ
+  bool peer_bf16 = true, peer_fp8 = true;  // cuDNN peers timed (--peers)
   std::vector<Recipe> recipes{Recipe::kMxfp8, Recipe::kMxfp8Qk16};  // flamia recipes timed
 };
 
@@ -329,10 +330,14 @@ class Runner {
     r.w = w;
     const bench::SdpaProblem p = problem_of(w);
     Buffers b = make_buffers(w, p, seed, stream_);
-    run_bf16(r, p, b, seed);
-    require_intact_cu_seqlens(w, b, "the cuDNN BF16 stages");
-    run_fp8(r, p, b, seed);
-    require_intact_cu_seqlens(w, b, "the cuDNN FP8 stages");
+    if (opt_.peer_bf16) {
+      run_bf16(r, p, b, seed);
+      require_intact_cu_seqlens(w, b, "the cuDNN BF16 stages");
+    }
+    if (opt_.peer_fp8) {
+      run_fp8(r, p, b, seed);
+      require_intact_cu_seqlens(w, b, "the cuDNN FP8 stages");
+    }
     run_flamia(r, b);
     return r;
   }
@@ -598,8 +603,9 @@ const PeerOutcome* find_peer(const WorkloadResult& r, const std::string& impl) {
   return nullptr;
 }
 
-std::string peer_cell(const PeerOutcome* p, double ms) {
-  return p ? fmt(ms, 3) : "unsupported";
+// A peer's time; "unsupported" when it could not run, "not run" when --peers left it out.
+std::string peer_cell(const PeerOutcome* p, double ms, bool requested) {
+  return !requested ? "not run" : p ? fmt(ms, 3) : "unsupported";
 }
 
 std::string flamia_cell(double ms) {
@@ -642,15 +648,16 @@ Table summary_table(const std::vector<WorkloadResult>& results, const Options& o
     auto fwd = [](const PeerOutcome* p) { return p ? p->fwd_ms : 0.0; };
     auto kernels = [](const PeerOutcome* p) { return p ? p->fwd_ms + p->bwd_ms : 0.0; };
     auto call = [](const PeerOutcome* p) { return p ? p->call_ms : 0.0; };
+    const bool b16 = opt.peer_bf16, f8 = opt.peer_fp8;
     std::vector<std::string> row = {r.w.name,
                                     fmt(r.w.forward_flops() / kTera, 2),
-                                    peer_cell(bf, fwd(bf)),
-                                    peer_cell(bf, kernels(bf)),
-                                    peer_cell(bf, call(bf)),
-                                    peer_cell(fresh, fwd(fresh)),
-                                    peer_cell(fresh, kernels(fresh)),
-                                    peer_cell(fresh, call(fresh)),
-                                    peer_cell(cal, call(cal)),
+                                    peer_cell(bf, fwd(bf), b16),
+                                    peer_cell(bf, kernels(bf), b16),
+                                    peer_cell(bf, call(bf), b16),
+                                    peer_cell(fresh, fwd(fresh), f8),
+                                    peer_cell(fresh, kernels(fresh), f8),
+                                    peer_cell(fresh, call(fresh), f8),
+                                    peer_cell(cal, call(cal), f8),
                                     fmt(r.quantize_ms, 3)};
     if (with_flamia) {
       std::vector<double> flamia_fwd, flamia_call;  // per recipe
@@ -736,6 +743,8 @@ int bench_attention(int argc, char** argv, int first) {
        {"no-graphs", "", "launch directly instead of replaying CUDA graphs", true},
        {"recipes", "mxfp8,mxfp8-qk16",
         "flamia recipes to time (those the kernels implement: mxfp8, mxfp8-qk16), or none"},
+       {"peers", "all",
+        "cuDNN peers to time in the same run: bf16, fp8 (comma-separated), all, or none"},
        {"deterministic", "",
         "also time each recipe's backward with deterministic dQ (ordered accumulation)", true},
        {"quick", "", "three workloads, 20 reps, 2 warm-ups (for scripts/device-check.sh)", true},
@@ -754,6 +763,19 @@ int bench_attention(int argc, char** argv, int first) {
   opt.warmup = int(args.integer("warmup"));
   opt.graphs = !args.flag("no-graphs");
   opt.deterministic = args.flag("deterministic");
+  if (args.str("peers") != "all") {
+    opt.peer_bf16 = opt.peer_fp8 = false;
+    if (args.str("peers") != "none")
+      for (const std::string& name : args.strings("peers")) {
+        if (name == "bf16") {
+          opt.peer_bf16 = true;
+        } else if (name == "fp8") {
+          opt.peer_fp8 = true;
+        } else {
+          throw Error("--peers: unknown peer '" + name + "' (bf16, fp8, all or none)");
+        }
+      }
+  }
   opt.recipes.clear();
   if (args.str("recipes") != "none")
     for (const std::string& name : args.strings("recipes")) {
