@@ -83,7 +83,7 @@ struct WorkloadResult {
 struct Options {
   int reps = 30, warmup = 5;
   bool graphs = true;
-  bool deterministic = false;  // also time the backward with deterministic dQ
+  bool deterministic = false;              // also time the backward with deterministic dQ
   bool peer_bf16 = true, peer_fp8 = true;  // cuDNN peers timed (--peers)
   std::vector<Recipe> recipes{Recipe::kMxfp8, Recipe::kMxfp8Qk16};  // flamia recipes timed
 };

@@ -207,12 +207,26 @@ TEST(ScaleExponent, E4m3FastFormEqualsTheRule) {
       ADD_FAILURE() << "amax bits " << std::hex << bits;
     if (float_to_bits(inverse_scale_e4m3(a)) != float_to_bits(exp2i(-rule)) && ++mismatched <= 5)
       ADD_FAILURE() << "inverse scale, amax bits " << std::hex << bits;
+    if (a > 0.0f) {
+      const uint32_t field = e4m3_scale_field(a);
+      if (scale_exponent_up_e4m3_of_field(field) != rule && ++mismatched <= 5)
+        ADD_FAILURE() << "exponent from the field, amax bits " << std::hex << bits;
+      if (float_to_bits(inverse_scale_e4m3_of_field(field)) != float_to_bits(exp2i(-rule)) &&
+          ++mismatched <= 5)
+        ADD_FAILURE() << "inverse scale from the field, amax bits " << std::hex << bits;
+      // Monotone: the next larger float's field is never smaller.
+      if (e4m3_scale_field(bits_to_float(bits + 1)) < field && ++mismatched <= 5)
+        ADD_FAILURE() << "field decreases after amax bits " << std::hex << bits;
+    }
   };
   for (uint32_t exp = 0; exp < 255; ++exp)
     for (uint32_t mant : {0u, 1u, 0x5FFFFFu, 0x600000u, 0x600001u, 0x7FFFFFu})
       check((exp << kFloatMantissaBits) | mant);
   for (uint32_t bits = 0; bits < kFiniteEnd; bits += 61) check(bits);
   EXPECT_EQ(mismatched, 0) << "of " << checked;
+  // amax 0 (an all-zero row): a finite multiplier, so its zeros still quantize to zero codes.
+  EXPECT_TRUE(std::isfinite(inverse_scale_e4m3_of_field(e4m3_scale_field(0.0f))));
+  EXPECT_TRUE(std::isfinite(exp2i(scale_exponent_up_e4m3_of_field(e4m3_scale_field(0.0f)))));
 }
 
 TEST(ScaleExponent, RoundUpIsSmallestExponentWithoutClamp) {

@@ -238,15 +238,34 @@ FLAMIA_HD int scale_exponent_up_e4m3(float amax) {
 // operations: adding kCarry to amax's bits carries into the exponent field exactly when the
 // mantissa exceeds 0.75, so the field is that of 2^(e + 135); 2^-e's field is then 262 minus it,
 // and the clamp e >= -127 is a floor of 8 on the field (2^127 stays a normal float).
+namespace e4m3_scale {
+constexpr uint32_t kCarry = 0x1FFFFF;  // 0x600000 + kCarry = 0x7FFFFF: 1.75 itself stays
+constexpr uint32_t kShift = uint32_t(kFloatBias + e4m3::kMaxExponent);       // e + 135 = field
+constexpr uint32_t kMinField = uint32_t(ue8m0::kMinExponent + int(kShift));  // e = -127
+constexpr uint32_t kInverseBias = uint32_t(kFloatBias) + kShift;             // 262
+}  // namespace e4m3_scale
+
+// The exponent field of 2^(e + 135), e = scale_exponent_up_e4m3(amax) before its clamp, for amax
+// >= 0. It never decreases as amax grows, so the field of a maximum is the maximum of the fields:
+// a kernel can reduce fields (integers) and derive the scale once, from the field.
+FLAMIA_HD uint32_t e4m3_scale_field(float amax) {
+  return (float_to_bits(amax) + e4m3_scale::kCarry) >> kFloatMantissaBits;
+}
+
+// scale_exponent_up_e4m3 and 2^-scale_exponent_up_e4m3 of an amax > 0, from its field. For amax
+// == 0 they give the clamp's -127 and 2^127 instead of kZeroGroupExponent and 1: any finite scale
+// quantizes zeros to zero codes.
+FLAMIA_HD int scale_exponent_up_e4m3_of_field(uint32_t field) {
+  return int(field < e4m3_scale::kMinField ? e4m3_scale::kMinField : field) -
+         int(e4m3_scale::kShift);
+}
+FLAMIA_HD float inverse_scale_e4m3_of_field(uint32_t field) {
+  field = field < e4m3_scale::kMinField ? e4m3_scale::kMinField : field;
+  return bits_to_float((e4m3_scale::kInverseBias - field) << kFloatMantissaBits);
+}
+
 FLAMIA_HD float inverse_scale_e4m3(float amax) {
-  constexpr uint32_t kCarry = 0x1FFFFF;  // 0x600000 + kCarry = 0x7FFFFF: 1.75 itself stays
-  constexpr uint32_t kShift = uint32_t(kFloatBias + e4m3::kMaxExponent);       // e + 135 = field
-  constexpr uint32_t kMinField = uint32_t(ue8m0::kMinExponent + int(kShift));  // e = -127
-  constexpr uint32_t kInverseBias = uint32_t(kFloatBias) + kShift;             // 262
-  const uint32_t bits = float_to_bits(amax);
-  uint32_t field = (bits + kCarry) >> kFloatMantissaBits;
-  field = field < kMinField ? kMinField : field;
-  return bits == 0 ? 1.0f : bits_to_float((kInverseBias - field) << kFloatMantissaBits);
+  return amax == 0.0f ? 1.0f : inverse_scale_e4m3_of_field(e4m3_scale_field(amax));
 }
 
 // Baseline "floor" rule: the exponent that puts amax's leading bit at E4M3's largest binade, so

@@ -36,8 +36,8 @@ struct alignas(16) QueryRows {
 // The dS tile's rows (queries) hold the key block's 128 keys, each 16 in transposed_slot order so
 // that it meets K's codes_t in the dQ product.
 constexpr uint32_t kDsBytes = kBlockM * kBlockN;
-// Rotating buffers of per-query |dS| maxima (float bits as int, for atomicMax): a step fills one
-// while the previous one may still be read and the one before is being cleared.
+// Rotating buffers of per-query |dS| maxima as scale fields (e4m3_scale_field, for atomicMax): a
+// step fills one while the previous one may still be read and the one before is being cleared.
 constexpr int kMaxBuffers = 3;
 constexpr int kDqStages = 2;
 

@@ -61,7 +61,7 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   float unit[kKeyRows];
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r)
-    unit[r] = exp2i(scale_exponent_up_e4m3(__int_as_float(row_max[wgmma::acc_row(t, 2 * r)])));
+    unit[r] = exp2i(scale_exponent_up_e4m3_of_field(uint32_t(row_max[wgmma::acc_row(t, 2 * r)])));
   const int64_t slot_index =
       int64_t(item.head) * p.dq_slots + dq_tile_slot(item.begin, item.doc, q_tile);
   float* half = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;

@@ -20,7 +20,7 @@
 namespace flamia::sm90::bwd {
 
 enum class ConsumerBarrier : uint32_t {
-  kMaxReady = kFirstNamedBarrier,  // every query's |dS| maximum is in row_max
+  kMaxReady = kFirstNamedBarrier,  // every query's |dS| maximum's scale field is in row_max
   kDsReady,                        // the quantized dS tile is in shared memory
   kWarpgroup0,                     // ordered mode, one warpgroup: its dQ turn came / is done
   kWarpgroup1,
@@ -142,7 +142,7 @@ __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds
   float inv[kThreadQueries];
 #pragma unroll
   for (int n = 0; n < kThreadQueries; ++n)
-    inv[n] = inverse_scale_e4m3(__int_as_float(row_max[listed_query(quad, n)]));
+    inv[n] = inverse_scale_e4m3_of_field(uint32_t(row_max[listed_query(quad, n)]));
   uint8_t* base[2][kKeyRows];
 #pragma unroll
   for (int c = 0; c < 2; ++c)

@@ -201,8 +201,8 @@ __device__ __forceinline__ void butterfly_max_round(float (&v)[kThreadQueries], 
 // Reduces each listed query's maximum over the warp's 16 keys (the 8 lanes of equal quad
 // position) by a transposing butterfly: each exchange over lane bit b halves the values a lane
 // keeps, so after bits 4, 3, 2 (14 shuffles) lane l holds listed queries 8 b4 + 4 b3 + 2 b2 and
-// the next one, which it publishes to the block-wide maxima (non-negative floats order like their
-// bits as int).
+// the next one, whose scale fields (e4m3_scale_field: the maximum's field is the fields' maximum)
+// it publishes to the block-wide maxima.
 __device__ __forceinline__ void publish_query_max(int* row_max, float (&query_max)[kThreadQueries],
                                                   int quad) {
   const int lane = int(lane_index());
@@ -210,8 +210,8 @@ __device__ __forceinline__ void publish_query_max(int* row_max, float (&query_ma
   butterfly_max_round<4, 8>(query_max, lane, first);
   butterfly_max_round<3, 4>(query_max, lane, first);
   butterfly_max_round<2, 2>(query_max, lane, first);
-  atomicMax(&row_max[listed_query(quad, first)], __float_as_int(query_max[0]));
-  atomicMax(&row_max[listed_query(quad, first + 1)], __float_as_int(query_max[1]));
+  atomicMax(&row_max[listed_query(quad, first)], int(e4m3_scale_field(query_max[0])));
+  atomicMax(&row_max[listed_query(quad, first + 1)], int(e4m3_scale_field(query_max[1])));
 }
 
 }  // namespace flamia::sm90::bwd
