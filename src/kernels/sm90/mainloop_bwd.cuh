@@ -131,32 +131,43 @@ __device__ __forceinline__ void issue_dq_product(float (&dq)[kTileRegs],
 }
 
 // dQ's operand: each listed query's maximum over all 128 keys -> er, then E4M3(dS 2^e_k / 2^er)
-// (ds_folded holds dS 2^e_k) into the dS tile at [query][transposed_slot(key)]. Register i's query
-// is 8 (i / 4) + 2 quad + i % 2, so its swizzled byte offset is one of four per-thread bases (query
-// parity x key) plus 1024 (i / 4): the 8-row swizzle pattern repeats every 8 queries.
+// (ds_folded holds dS 2^e_k) into the dS tile at [query][transposed_slot(key)]. A thread holds keys
+// j and j + 8 of its warp's 16 and the lane 4 apart keys j ^ 1 and (j ^ 1) + 8: transposed_slot
+// puts those four in one 32-bit word of a query row. So per 8-query group the two lanes swap their
+// codes of both listed queries (one shuffle) and each stores one word: the even-key lane the even
+// query's, the odd-key lane the odd one's. Row 8 g of the tile is 1024 g bytes on (the swizzle
+// repeats every 8 rows), and the 32 lanes' words fall in 32 distinct banks.
 template <bool kDiagnostics>
 __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds_folded)[kTileRegs],
                                               const int* row_max, int quad, int key_base,
                                               StepDiagnostics& diag) {
   constexpr uint32_t kGroupBytes = wgmma::kSw128AtomBytes;  // 8 queries of 128 B
+  // __byte_perm selectors over {theirs, mine} (bytes 7..4, 3..0); a lane's codes `mine` are, in
+  // byte order, its even query's keys j, j + 8 and its odd query's keys j, j + 8.
+  constexpr uint32_t kEvenKeyWord = 0x5140;  // even query: j, j + 1, j + 8, j + 9
+  constexpr uint32_t kOddKeyWord = 0x3726;   // odd query: j - 1, j, j + 7, j + 8
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+  constexpr int kPartnerLane = 4;  // the lane holding keys j ^ 1
   float inv[kThreadQueries];
 #pragma unroll
   for (int n = 0; n < kThreadQueries; ++n)
     inv[n] = inverse_scale_e4m3_of_field(uint32_t(row_max[listed_query(quad, n)]));
-  uint8_t* base[2][kKeyRows];
+  const int odd_key = key_base & 1;
+  const uint32_t select = odd_key ? kOddKeyWord : kEvenKeyWord;
+  uint8_t* word = ds_tile + wgmma::sw128_offset(uint32_t(2 * quad + odd_key),
+                                                uint32_t(transposed_slot(key_base & ~1)));
 #pragma unroll
-  for (int c = 0; c < 2; ++c)
+  for (int g = 0; g < kColGroups; ++g) {
+    float x[4];  // registers 4g..4g+3: (even query, key j), (odd, j), (even, j + 8), (odd, j + 8)
 #pragma unroll
-    for (int r = 0; r < kKeyRows; ++r)
-      base[c][r] = ds_tile + wgmma::sw128_offset(uint32_t(2 * quad + c),
-                                                 uint32_t(transposed_slot(key_base + 8 * r)));
-#pragma unroll
-  for (int i = 0; i < kTileRegs; ++i) {
-    const int n = 2 * (i >> 2) + (i & 1), r = key_half(i);
-    const float x = ds_folded[i] * inv[n];
-    const uint32_t code = e4m3x2_rn_satfinite(x, 0.0f) & 0xFFu;
-    if constexpr (kDiagnostics) diag.zero_dq += ds_folded[i] != 0.0f && rounds_to_zero(x);
-    base[i & 1][r][(i >> 2) * kGroupBytes] = uint8_t(code);
+    for (int k = 0; k < 4; ++k) {
+      x[k] = ds_folded[4 * g + k] * inv[2 * g + (k & 1)];
+      if constexpr (kDiagnostics)
+        diag.zero_dq += ds_folded[4 * g + k] != 0.0f && rounds_to_zero(x[k]);
+    }
+    const uint32_t mine = e4m3x4_rn_satfinite(x[0], x[2], x[1], x[3]);
+    const uint32_t theirs = __shfl_xor_sync(kFull, mine, kPartnerLane);
+    *reinterpret_cast<uint32_t*>(word + g * kGroupBytes) = __byte_perm(mine, theirs, select);
   }
 }
 
