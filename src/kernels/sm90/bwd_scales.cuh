@@ -1,6 +1,7 @@
 // Per-query-row vectors of one backward step, staged in shared memory by the producer warp (DESIGN
-// §2, §4): the terms of P and dS, the Q scale folded into dS^T for dK, and the dO scales folded
-// into P^T for dV relative to the tile's reference exponent C (constant along dV's contraction).
+// §2, §4): the terms of P' and dS' (bwd_smem.cuh: the Q and dO scales in P's exponent), and the
+// fold of P'^T to dV's operand relative to the tile's reference exponent C (constant along dV's
+// contraction).
 #pragma once
 
 #include <climits>
@@ -33,7 +34,8 @@ template <ScoreOperand kScore, bool kCausal>
 __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p,
                                                  const StepGeometry& g, int lane) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
-  int e_g[kRowsPerLane];
+  int e_g[kRowsPerLane], e_qg[kRowsPerLane];
+  RowTerms terms[kRowsPerLane];
   bool sees[kRowsPerLane];
   int c_ref = INT_MIN;
 #pragma unroll
@@ -45,14 +47,12 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
     const int e_q = valid ? int(__ldg(p.q_exponents + exp_at)) - ue8m0::kBias : 0;
     e_g[k] = valid ? int(__ldg(p.dout_exponents + exp_at)) - ue8m0::kBias : 0;
     const float q_unit = exp2i(e_q);
-    RowTerms t;
-    t.rf = kScore == ScoreOperand::kE4m3 ? p.scale_log2 * q_unit : p.scale_log2;
+    terms[k].rf = kScore == ScoreOperand::kE4m3 ? p.scale_log2 * q_unit : p.scale_log2;
     const int64_t stat_at = int64_t(g.head) * p.tokens + token;
-    t.lse2 = valid ? __ldg(p.lse + stat_at) * kLog2e : INFINITY;
-    t.delta = valid ? __ldg(p.delta + stat_at) : 0.0f;
-    t.g = valid ? exp2i(e_g[k]) : 0.0f;
-    dst.terms[r] = t;
-    dst.folds[r].q = valid ? q_unit : 0.0f;
+    terms[k].bias = valid ? float(e_q + e_g[k]) - __ldg(p.lse + stat_at) * kLog2e : -INFINITY;
+    terms[k].delta = valid ? __ldg(p.delta + stat_at) * exp2i(-e_g[k]) : 0.0f;
+    e_qg[k] = e_q + e_g[k];
+    dst.q_inverse[r] = valid ? exp2i(-e_q) : 0.0f;
     sees[k] = valid && (!kCausal || g.m0 + r >= g.n0);
     if (sees[k]) c_ref = max(c_ref, e_g[k]);
   }
@@ -62,8 +62,9 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
 #pragma unroll
   for (int k = 0; k < kRowsPerLane; ++k) {
     const int r = lane + k * int(kWarpThreads);
-    dst.folds[r].p_fold =
-        sees[k] ? exp2i(max(e_g[k] - c_ref + kPOffsetLog2, -kFoldFloorLog2)) : 0.0f;
+    terms[k].p_fold =
+        sees[k] ? exp2i(max(e_g[k] - c_ref + kPOffsetLog2, -kFoldFloorLog2) - e_qg[k]) : 0.0f;
+    dst.terms[r] = terms[k];
   }
   if (lane == 0) dst.dv_unit = c_ref == INT_MIN ? 0.0f : exp2i(c_ref - kPOffsetLog2);
 }

@@ -14,22 +14,21 @@
 
 namespace flamia::sm90::bwd {
 
-// Per query row of a tile, staged by the producer (bwd_scales.cuh); 16 B aligned so a thread's
-// column pair needs two vector loads (without alignas the compiler splits each into four).
+// Per query row of a tile, staged by the producer (bwd_scales.cuh). The row's scales 2^e_q (Q's
+// codes, folded into dS^T for dK) and 2^e_dO (dP's row scale) enter P's exponent, so the gradient
+// works on P' = P 2^(e_q + e_dO) and dS' = P' (dP 2^e_v - D 2^-e_dO) = dS 2^e_q, dK's operand
+// before its key scale, with no multiply per element for either scale (softmax_bwd.cuh). 16 B
+// aligned: one vector load per row.
 struct alignas(16) RowTerms {
-  float rf;     // softmax scale * log2(e) * 2^e_q: S's row factor (2^e_q is 1 for BF16 Q)
-  float lse2;   // LSE * log2(e); +inf outside the document, so P = 0 there
-  float delta;  // D; 0 outside the document
-  float g;      // 2^e_dO; 0 outside the document
-};
-struct RowFolds {
-  float q;       // 2^e_q, folded into dS^T for dK; 0 outside the document
-  float p_fold;  // 2^(e_dO - C + 8), folded into P^T for dV (C: stage's dv_unit)
+  float rf;      // softmax scale * log2(e) * 2^e_q: S's row factor (2^e_q is 1 for BF16 Q)
+  float bias;    // e_q + e_dO - LSE * log2(e); -inf outside the document, so P' = 0 there
+  float delta;   // D 2^-e_dO; 0 outside the document
+  float p_fold;  // 2^(e_dO - C + 8) / 2^(e_q + e_dO): P'^T to dV's operand (C: stage's dv_unit)
 };
 
 struct alignas(16) QueryRows {
   RowTerms terms[kBlockM];
-  RowFolds folds[kBlockM];
+  float q_inverse[kBlockM];  // 2^-e_q: dS' back to dS (dQ's row unit); 0 outside the document
   float dv_unit;  // 2^(C - 8), C = max e_dO over the tile's rows that see the key block; 0: none
 };
 

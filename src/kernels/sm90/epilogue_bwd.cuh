@@ -44,24 +44,27 @@ __device__ __forceinline__ float4 scaled_group(const float (&dq)[kTileRegs], int
 }
 
 // The warpgroup's dQ partial (queries x its 64 head-dim columns) times 2^er per row, er from the
-// step's query maxima, added to the accumulator's slot in fragment order.
-// Unordered: staged in shared memory and added by bulk reductions, each warp its contiguous part as
-// soon as its own stores are done, issued by its first lane, which then waits until the previous
-// step's reduction has read its stage (the next step rewrites it, after barriers that order it).
-// Ordered mode: after the additions of key blocks 0..n-1 (2n turns, one per warpgroup), every
-// thread adds its float4 groups from the registers (a warp's group is 512 contiguous bytes), then
-// the turn is counted. Measured (docs/PERF.md, sessions 5 and 6): here the register path is 3 to
-// 23 % faster, because a bulk reduction had to complete before the turn; unordered it is 8 %
-// slower. Each fast kernel carries one path (DqAddition): with both, unordered lost 1.3 %.
+// step's query maxima (of dS' = dS 2^e_q, so times q_inverse = 2^-e_q as well), added to the
+// accumulator's slot in fragment order. Unordered: staged in shared memory and added by bulk
+// reductions, each warp its contiguous part as soon as its own stores are done, issued by its first
+// lane, which then waits until the previous step's reduction has read its stage (the next step
+// rewrites it, after barriers that order it). Ordered mode: after the additions of key blocks
+// 0..n-1 (2n turns, one per warpgroup), every thread adds its float4 groups from the registers (a
+// warp's group is 512 contiguous bytes), then the turn is counted. Measured (docs/PERF.md, sessions
+// 5 and 6): here the register path is 3 to 23 % faster, because a bulk reduction had to complete
+// before the turn; unordered it is 8 % slower. Each fast kernel carries one path (DqAddition): with
+// both, unordered lost 1.3 %.
 template <DqAddition kDq, typename Barrier>
 __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq)[kTileRegs],
-                                               const int* row_max, float* stage,
+                                               const int* row_max,
+                                               const float (&q_inverse)[kKeyRows], float* stage,
                                                const StepItem& item, int q_tile, int t,
                                                int warpgroup, Barrier warpgroup_barrier) {
   float unit[kKeyRows];
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r)
-    unit[r] = exp2i(scale_exponent_up_e4m3_of_field(uint32_t(row_max[wgmma::acc_row(t, 2 * r)])));
+    unit[r] = exp2i(scale_exponent_up_e4m3_of_field(uint32_t(row_max[wgmma::acc_row(t, 2 * r)]))) *
+              q_inverse[r];
   const int64_t slot_index =
       int64_t(item.head) * p.dq_slots + dq_tile_slot(item.begin, item.doc, q_tile);
   float* half = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;

@@ -216,6 +216,10 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   store_ds_tile<kDiagnostics>(sm.ds, dp, row_max, quad, key_base, diag);
 
   const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
+  // dS' = dS 2^e_q: the dQ partial's rows (queries) take 2^-e_q back, read before the stage goes.
+  float q_inverse[kKeyRows];
+#pragma unroll
+  for (int r = 0; r < kKeyRows; ++r) q_inverse[r] = rows.q_inverse[wgmma::acc_row(t, 2 * r)];
   accumulate_key_products(dv, dk, ops, sm.doutt[q_state.index], sm.qt[q_state.index], dv_unit);
   sm.q_pipe.warp_release(q_state);
   q_state.advance();
@@ -226,8 +230,8 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
 
   float dq[kTileRegs];
   issue_dq_product<kScore>(dq, sm, warpgroup);
-  add_dq_partial<kDq>(p, dq, row_max, sm.dq_stage[warpgroup][step % kDqStages], item, m, t,
-                      warpgroup,
+  add_dq_partial<kDq>(p, dq, row_max, q_inverse, sm.dq_stage[warpgroup][step % kDqStages], item, m,
+                      t, warpgroup,
                       warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
   if constexpr (kDiagnostics) publish_diagnostics(p.diagnostics, diag);
 }

@@ -83,11 +83,12 @@ __device__ __forceinline__ bool rounds_to_zero(float x) {
   return x != 0.0f && (e4m3x2_rn_satfinite(x, 0.0f) & kMagnitudeBits) == 0;
 }
 
-// P and dS of one step. On return dp holds dS 2^e_k (dQ's operand before its row scale), ops the
-// packed operands of dV and dK, and query_max the thread's |dS 2^e_k| maxima over its two keys for
-// each listed query. kMasked: keys past the document or (causal) after the query, and queries past
-// the document, get P = 0; unmasked tiles lie inside the document. kDiagnostics: also counts into
-// `diag` (the fast path compiles without it).
+// P' = P 2^(e_q + e_dO) and dS' = dS 2^e_q of one step (bwd_smem.cuh's RowTerms). On return dp
+// holds dS' 2^e_k (dQ's operand before its row scale, which therefore comes out 2^e_q too large:
+// the dQ unit takes it back), ops the packed operands of dV and dK, and query_max the thread's
+// |dS' 2^e_k| maxima over its two keys for each listed query. kMasked: keys past the document or
+// (causal) after the query, and queries past the document, get P = 0; unmasked tiles lie inside the
+// document. kDiagnostics: also counts into `diag` (the fast path compiles without it).
 template <bool kMasked, bool kCausal, bool kDiagnostics>
 __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)[kTileRegs],
                                               const QueryRows& rows, const KeyRows& kr, int quad,
@@ -98,11 +99,10 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   for (int g = 0; g < kColGroups; ++g) {
     const int c0 = 8 * g + 2 * quad;
     const RowTerms t[2] = {rows.terms[c0], rows.terms[c0 + 1]};
-    const float4 f = *reinterpret_cast<const float4*>(&rows.folds[c0]);  // {q, p_fold} x 2
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int i = 4 * g + k, r = key_half(i), c = k & 1;
-      float p = exp2_approx(fmaf(s[i] * kr.score[r], t[c].rf, -t[c].lse2));
+      float p = exp2_approx(fmaf(s[i] * kr.score[r], t[c].rf, t[c].bias));
       bool visible = true;
       if constexpr (kMasked) {
         const int query = m0 + c0 + c;
@@ -111,9 +111,10 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
         visible = kr.key[r] < length && query < length && (!kCausal || kr.key[r] <= query);
         if (!visible) p = 0.0f;
       }
-      // 2^e_dO 2^e_v is exact: one rounding fewer than the emulator's (dP 2^e_dO) 2^e_v - D.
-      dp[i] = p * fmaf(dp[i], t[c].g * kr.v[r], -t[c].delta);
-      s[i] = p * (c ? f.w : f.y);
+      // The scalings by powers of two are exact: dS' = P' (dP 2^e_v - D 2^-e_dO) is the
+      // emulator's P ((dP 2^e_dO) 2^e_v - D) 2^e_q with one rounding fewer.
+      dp[i] = p * fmaf(dp[i], kr.v[r], -t[c].delta);
+      s[i] = p * t[c].p_fold;
       if constexpr (kDiagnostics) {
         diag.entries += visible;
         diag.nonzero += dp[i] != 0.0f;
@@ -123,19 +124,10 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   }
   pack_a_fragments<kQuerySlices>(s, ops.p);
 
-  // dK's operand: fold 2^e_q, then the key's scale over the tile's 64 queries.
+  // dK's operand: dS' (2^e_q folded in already) in the key's scale over the tile's 64 queries.
   float amax[kKeyRows] = {0.0f, 0.0f};
 #pragma unroll
-  for (int g = 0; g < kColGroups; ++g) {
-    const int c0 = 8 * g + 2 * quad;
-    const float2 q = make_float2(rows.folds[c0].q, rows.folds[c0 + 1].q);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int i = 4 * g + k;
-      s[i] = dp[i] * ((k & 1) ? q.y : q.x);
-      amax[key_half(i)] = fmaxf(amax[key_half(i)], fabsf(s[i]));
-    }
-  }
+  for (int i = 0; i < kTileRegs; ++i) amax[key_half(i)] = fmaxf(amax[key_half(i)], fabsf(dp[i]));
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r) {
     const float key_max = quad_max(amax[r]);
@@ -144,7 +136,7 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   }
 #pragma unroll
   for (int i = 0; i < kTileRegs; ++i) {
-    s[i] *= amax[key_half(i)];
+    s[i] = dp[i] * amax[key_half(i)];
     if constexpr (kDiagnostics) diag.zero_dk += dp[i] != 0.0f && rounds_to_zero(s[i]);
   }
   pack_a_fragments<kQuerySlices>(s, ops.ds);
@@ -154,9 +146,12 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
 #pragma unroll
   for (int n = 0; n < kThreadQueries; ++n) {
     const int i0 = 4 * (n >> 1) + (n & 1);  // key r's register of listed query n; key r + 8: +2
-    if constexpr (kDiagnostics)
-      add_row_sums(diag, n, dp[i0] + dp[i0 + 2], fabsf(dp[i0]) + fabsf(dp[i0 + 2]),
-                   m0 + listed_query(quad, n), length);
+    if constexpr (kDiagnostics) {
+      const float q_inverse = rows.q_inverse[listed_query(quad, n)];  // dS' to dS
+      add_row_sums(diag, n, (dp[i0] + dp[i0 + 2]) * q_inverse,
+                   (fabsf(dp[i0]) + fabsf(dp[i0 + 2])) * q_inverse, m0 + listed_query(quad, n),
+                   length);
+    }
     dp[i0] *= kr.fold[0];
     dp[i0 + 2] *= kr.fold[1];
     query_max[n] = fmaxf(fabsf(dp[i0]), fabsf(dp[i0 + 2]));
