@@ -245,22 +245,25 @@ constexpr uint32_t kMinField = uint32_t(ue8m0::kMinExponent + int(kShift));  // 
 constexpr uint32_t kInverseBias = uint32_t(kFloatBias) + kShift;             // 262
 }  // namespace e4m3_scale
 
-// The exponent field of 2^(e + 135), e = scale_exponent_up_e4m3(amax) before its clamp, for amax
-// >= 0. It never decreases as amax grows, so the field of a maximum is the maximum of the fields:
-// a kernel can reduce fields (integers) and derive the scale once, from the field.
-FLAMIA_HD uint32_t e4m3_scale_field(float amax) {
+// The exponent field of 2^(e + 135), e = scale_exponent_up_e4m3(amax), for amax >= 0, floored at
+// the field of e's clamp (-127): e4m3_scale::kMinField. It never decreases as amax grows, so the
+// field of a maximum is the maximum of the fields: a kernel can reduce fields (integers, from
+// kMinField up) and derive the scale once, from the field.
+FLAMIA_HD uint32_t e4m3_scale_field_unclamped(float amax) {
   return (float_to_bits(amax) + e4m3_scale::kCarry) >> kFloatMantissaBits;
 }
+FLAMIA_HD uint32_t e4m3_scale_field(float amax) {
+  const uint32_t field = e4m3_scale_field_unclamped(amax);
+  return field < e4m3_scale::kMinField ? e4m3_scale::kMinField : field;
+}
 
-// scale_exponent_up_e4m3 and 2^-scale_exponent_up_e4m3 of an amax > 0, from its field. For amax
-// == 0 they give the clamp's -127 and 2^127 instead of kZeroGroupExponent and 1: any finite scale
-// quantizes zeros to zero codes.
+// scale_exponent_up_e4m3 and 2^-scale_exponent_up_e4m3 of an amax > 0 from its field (>=
+// kMinField: no clamp left to apply). For amax == 0 they give the clamp's -127 and 2^127 instead of
+// kZeroGroupExponent and 1: any finite scale quantizes zeros to zero codes.
 FLAMIA_HD int scale_exponent_up_e4m3_of_field(uint32_t field) {
-  return int(field < e4m3_scale::kMinField ? e4m3_scale::kMinField : field) -
-         int(e4m3_scale::kShift);
+  return int(field) - int(e4m3_scale::kShift);
 }
 FLAMIA_HD float inverse_scale_e4m3_of_field(uint32_t field) {
-  field = field < e4m3_scale::kMinField ? e4m3_scale::kMinField : field;
   return bits_to_float((e4m3_scale::kInverseBias - field) << kFloatMantissaBits);
 }
 

@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
     sm.q_pipe.init(kStepArrivals, kConsumerWarps);
   }
   for (int i = threadIdx.x; i < kMaxBuffers * kBlockM; i += blockDim.x)
-    sm.row_max[i / kBlockM][i % kBlockM] = 0;
+    sm.row_max[i / kBlockM][i % kBlockM] = kRowMaxFloor;
   __syncthreads();
   const uint32_t warpgroup = warpgroup_index();
   if (warpgroup == uint32_t(Warpgroup::kProducer)) {

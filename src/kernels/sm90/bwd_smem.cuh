@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "bwd_params.h"
+#include "flamia/formats.h"
 #include "mbarrier.cuh"
 #include "wgmma.cuh"
 
@@ -36,7 +37,9 @@ struct alignas(16) QueryRows {
 // that it meets K's codes_t in the dQ product.
 constexpr uint32_t kDsBytes = kBlockM * kBlockN;
 // Rotating buffers of per-query |dS| maxima as scale fields (e4m3_scale_field, for atomicMax): a
-// step fills one while the previous one may still be read and the one before is being cleared.
+// step fills one while the previous one may still be read and the one before is being reset to
+// the floor field, which leaves the readers no clamp to apply.
+constexpr int kRowMaxFloor = int(e4m3_scale::kMinField);
 constexpr int kMaxBuffers = 3;
 constexpr int kDqStages = 2;
 

@@ -211,7 +211,7 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   named_barrier_sync(ConsumerBarrier::kMaxReady, kConsumerThreads);
   // The buffer of the step before last: read by everyone before this barrier, next filled two
   // steps on (after the next one).
-  if (warpgroup == 0 && t < kBlockM) sm.row_max[(step + 2) % kMaxBuffers][t] = 0;
+  if (warpgroup == 0 && t < kBlockM) sm.row_max[(step + 2) % kMaxBuffers][t] = kRowMaxFloor;
   // dS leaves the registers before the dV and dK products need theirs.
   store_ds_tile<kDiagnostics>(sm.ds, dp, row_max, quad, key_base, diag);
 

@@ -205,8 +205,9 @@ __device__ __forceinline__ void publish_query_max(int* row_max, float (&query_ma
   butterfly_max_round<4, 8>(query_max, lane, first);
   butterfly_max_round<3, 4>(query_max, lane, first);
   butterfly_max_round<2, 2>(query_max, lane, first);
-  atomicMax(&row_max[listed_query(quad, first)], int(e4m3_scale_field(query_max[0])));
-  atomicMax(&row_max[listed_query(quad, first + 1)], int(e4m3_scale_field(query_max[1])));
+  // The buffers start at kMinField (kRowMaxFloor): the unclamped fields suffice.
+  atomicMax(&row_max[listed_query(quad, first)], int(e4m3_scale_field_unclamped(query_max[0])));
+  atomicMax(&row_max[listed_query(quad, first + 1)], int(e4m3_scale_field_unclamped(query_max[1])));
 }
 
 }  // namespace flamia::sm90::bwd
