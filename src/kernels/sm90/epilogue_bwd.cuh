@@ -43,12 +43,34 @@ __device__ __forceinline__ float4 scaled_group(const float (&dq)[kTileRegs], int
                      dq[i + 3] * unit[1]);
 }
 
+// A warp's staged dQ partial whose bulk reduction is not issued yet (unordered mode).
+struct PendingDq {
+  float* dst = nullptr;  // null: none
+  const float* src = nullptr;
+};
+
+// Issues the pending reduction, by the warp's first lane after a proxy fence (the stage's stores
+// reach the bulk copy's async-proxy reads), which then waits until the reduction before it has
+// read its stage (the step after this one rewrites that stage). Called at the next step's start,
+// before its products: by then the stores have completed, so the fence no longer waits for them
+// (right after the stores it was 4 % of the kernel's stall samples, docs/PERF.md).
+__device__ __forceinline__ void flush_dq_partial(PendingDq& pending) {
+  if (pending.dst == nullptr) return;
+  fence_async_shared();
+  __syncwarp();
+  if (lane_index() == 0) {
+    bulk_reduce_add(pending.dst, pending.src, kDqWarpFloats * sizeof(float));
+    tma_store_commit();
+    tma_store_wait_read<kDqStages - 1>();
+  }
+  pending.dst = nullptr;
+}
+
 // The warpgroup's dQ partial (queries x its 64 head-dim columns) times 2^er per row, er from the
 // step's query maxima (of dS' = dS 2^e_q, so times q_inverse = 2^-e_q as well), added to the
 // accumulator's slot in fragment order. Unordered: staged in shared memory and added by bulk
-// reductions, each warp its contiguous part as soon as its own stores are done, issued by its first
-// lane, which then waits until the previous step's reduction has read its stage (the next step
-// rewrites it, after barriers that order it). Ordered mode: after the additions of key blocks
+// reductions, each warp its contiguous part (flush_dq_partial, at the next step's start). Ordered
+// mode: after the additions of key blocks
 // 0..n-1 (2n turns, one per warpgroup), every thread adds its float4 groups from the registers (a
 // warp's group is 512 contiguous bytes), then the turn is counted. Measured (docs/PERF.md, sessions
 // 5 and 6): here the register path is 3 to 23 % faster, because a bulk reduction had to complete
@@ -59,7 +81,8 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
                                                const int* row_max,
                                                const float (&q_inverse)[kKeyRows], float* stage,
                                                const StepItem& item, int q_tile, int t,
-                                               int warpgroup, Barrier warpgroup_barrier) {
+                                               int warpgroup, Barrier warpgroup_barrier,
+                                               PendingDq& pending) {
   float unit[kKeyRows];
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r)
@@ -74,13 +97,8 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
 #pragma unroll
     for (int i = 0; i < kTileRegs; i += 4)
       *reinterpret_cast<float4*>(stage + dq_fragment_offset(t, i)) = scaled_group(dq, i, unit);
-    fence_async_shared();
-    __syncwarp();
-    if (lane_index() != 0) return;
     const int part = (t / kDqLanes) * kDqWarpFloats;
-    bulk_reduce_add(half + part, stage + part, kDqWarpFloats * sizeof(float));
-    tma_store_commit();
-    tma_store_wait_read<kDqStages - 1>();
+    pending = {half + part, stage + part};
     return;
   }
   int* turn = p.dq_turns + slot_index;

@@ -178,13 +178,14 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
                                               int warpgroup, const StepItem& item, int m,
                                               uint32_t step, const KeyRows& kr,
                                               PipelineState<kQStages>& q_state,
-                                              float (&dv)[2][kTileRegs],
-                                              float (&dk)[2][kTileRegs]) {
+                                              float (&dv)[2][kTileRegs], float (&dk)[2][kTileRegs],
+                                              PendingDq& pending) {
   const int t = threadIdx.x % kWarpgroupThreads;
   const int quad = t % 4;
   const int m0 = m * kBlockM;
   const int key_base = warpgroup * wgmma::kM + wgmma::acc_row(t, 0);
   sm.q_pipe.consumer_wait(q_state);
+  flush_dq_partial(pending);  // the previous step's: no product is in flight here
   const QueryRows& rows = sm.rows[q_state.index];
   float s[kTileRegs], dp[kTileRegs];
   issue_score_products<kScore>(s, dp, sm, q_state.index, warpgroup);
@@ -230,9 +231,9 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
 
   float dq[kTileRegs];
   issue_dq_product<kScore>(dq, sm, warpgroup);
-  add_dq_partial<kDq>(p, dq, row_max, q_inverse, sm.dq_stage[warpgroup][step % kDqStages], item, m,
-                      t, warpgroup,
-                      warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1);
+  add_dq_partial<kDq>(
+      p, dq, row_max, q_inverse, sm.dq_stage[warpgroup][step % kDqStages], item, m, t, warpgroup,
+      warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1, pending);
   if constexpr (kDiagnostics) publish_diagnostics(p.diagnostics, diag);
 }
 
@@ -243,6 +244,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
   PipelineState<1> kv_state;
   PipelineState<kQStages> q_state;
   uint32_t step = 0;  // steps of this CTA so far: rotates row_max
+  PendingDq pending;
 
   for (;;) {
     sm.kv_pipe.consumer_wait(kv_state);
@@ -250,6 +252,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     if (item.doc < 0) {
       // Shared memory goes with the CTA: the last bulk dQ reductions (one per warp; none in
       // ordered mode, which adds from the registers) must have read their stages.
+      flush_dq_partial(pending);
       if (lane_index() == 0) tma_store_wait_read<0>();
       return;
     }
@@ -279,7 +282,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       const StepItem si{begin, length, n0, item.kv_head * p.group + hh, item.doc, item.key_block};
       for (int m = first_query_tile(item.key_block, kCausal); m < tiles; ++m, ++step)
         backward_step<kScore, kCausal, kDiagnostics, kDq>(p, sm, warpgroup, si, m, step, kr,
-                                                          q_state, dv, dk);
+                                                          q_state, dv, dk, pending);
     }
     // The last dQ product has completed, so the key block's shared memory is free: the producer
     // loads the next item's keys and first query tiles while dK and dV go out from registers.
