@@ -29,10 +29,38 @@ struct StepGeometry {
   int head;       // query head
 };
 
+// A lane's inputs for its rows (l and l + 32) of one step, loaded from global memory before the
+// stage they go to is free, so that their latency overlaps the producer's wait for it.
+struct RowLoads {
+  int e_q[kRowsPerLane];  // Q and dO scale exponents (0 past the document)
+  int e_g[kRowsPerLane];
+  float lse[kRowsPerLane];  // LSE and D (unused past the document)
+  float delta[kRowsPerLane];
+};
+
+__device__ __forceinline__ RowLoads load_query_rows(const Params& p, const StepGeometry& g,
+                                                    int lane) {
+  RowLoads in;
+#pragma unroll
+  for (int k = 0; k < kRowsPerLane; ++k) {
+    const int r = lane + k * int(kWarpThreads);
+    const int64_t token = g.begin + g.m0 + r;
+    const bool valid = g.m0 + r < g.length;
+    const int64_t exp_at = int64_t(g.head) * p.tokens_padded + token;
+    const int64_t stat_at = int64_t(g.head) * p.tokens + token;
+    in.e_q[k] = valid ? int(__ldg(p.q_exponents + exp_at)) - ue8m0::kBias : 0;
+    in.e_g[k] = valid ? int(__ldg(p.dout_exponents + exp_at)) - ue8m0::kBias : 0;
+    in.lse[k] = valid ? __ldg(p.lse + stat_at) : 0.0f;
+    in.delta[k] = valid ? __ldg(p.delta + stat_at) : 0.0f;
+  }
+  return in;
+}
+
 // All 32 lanes of the producer warp; lane l stages rows l and l + 32.
 template <ScoreOperand kScore, bool kCausal>
 __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p,
-                                                 const StepGeometry& g, int lane) {
+                                                 const StepGeometry& g, const RowLoads& in,
+                                                 int lane) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
   int e_g[kRowsPerLane], e_qg[kRowsPerLane];
   RowTerms terms[kRowsPerLane];
@@ -41,16 +69,13 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
 #pragma unroll
   for (int k = 0; k < kRowsPerLane; ++k) {
     const int r = lane + k * int(kWarpThreads);
-    const int64_t token = g.begin + g.m0 + r;
     const bool valid = g.m0 + r < g.length;
-    const int64_t exp_at = int64_t(g.head) * p.tokens_padded + token;
-    const int e_q = valid ? int(__ldg(p.q_exponents + exp_at)) - ue8m0::kBias : 0;
-    e_g[k] = valid ? int(__ldg(p.dout_exponents + exp_at)) - ue8m0::kBias : 0;
+    const int e_q = in.e_q[k];
+    e_g[k] = in.e_g[k];
     const float q_unit = exp2i(e_q);
     terms[k].rf = kScore == ScoreOperand::kE4m3 ? p.scale_log2 * q_unit : p.scale_log2;
-    const int64_t stat_at = int64_t(g.head) * p.tokens + token;
-    terms[k].bias = valid ? float(e_q + e_g[k]) - __ldg(p.lse + stat_at) * kLog2e : -INFINITY;
-    terms[k].delta = valid ? __ldg(p.delta + stat_at) * exp2i(-e_g[k]) : 0.0f;
+    terms[k].bias = valid ? float(e_q + e_g[k]) - in.lse[k] * kLog2e : -INFINITY;
+    terms[k].delta = valid ? in.delta[k] * exp2i(-e_g[k]) : 0.0f;
     e_qg[k] = e_q + e_g[k];
     dst.q_inverse[r] = valid ? exp2i(-e_q) : 0.0f;
     sees[k] = valid && (!kCausal || g.m0 + r >= g.n0);
