@@ -234,10 +234,9 @@ FLAMIA_HD int scale_exponent_up_e4m3(float amax) {
   return bits == 0 ? kZeroGroupExponent : clamped;
 }
 
-// 2^-scale_exponent_up_e4m3(amax), the multiplier that quantizes by that scale, in four integer
-// operations: adding kCarry to amax's bits carries into the exponent field exactly when the
-// mantissa exceeds 0.75, so the field is that of 2^(e + 135); 2^-e's field is then 262 minus it,
-// and the clamp e >= -127 is a floor of 8 on the field (2^127 stays a normal float).
+// The same in integer operations on amax's bits: adding kCarry carries into the exponent field
+// exactly when the mantissa exceeds 0.75, so the field is that of 2^(e + 135); 2^-e's field is then
+// 262 minus it, and the clamp e >= -127 is a floor of 8 on the field (2^127 stays a normal float).
 namespace e4m3_scale {
 constexpr uint32_t kCarry = 0x1FFFFF;  // 0x600000 + kCarry = 0x7FFFFF: 1.75 itself stays
 constexpr uint32_t kShift = uint32_t(kFloatBias + e4m3::kMaxExponent);       // e + 135 = field
@@ -267,6 +266,7 @@ FLAMIA_HD float inverse_scale_e4m3_of_field(uint32_t field) {
   return bits_to_float((e4m3_scale::kInverseBias - field) << kFloatMantissaBits);
 }
 
+// 2^-scale_exponent_up_e4m3(amax), the multiplier that quantizes by that scale.
 FLAMIA_HD float inverse_scale_e4m3(float amax) {
   return amax == 0.0f ? 1.0f : inverse_scale_e4m3_of_field(e4m3_scale_field(amax));
 }

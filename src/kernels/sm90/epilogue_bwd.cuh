@@ -70,12 +70,11 @@ __device__ __forceinline__ void flush_dq_partial(PendingDq& pending) {
 // step's query maxima (of dS' = dS 2^e_q, so times q_inverse = 2^-e_q as well), added to the
 // accumulator's slot in fragment order. Unordered: staged in shared memory and added by bulk
 // reductions, each warp its contiguous part (flush_dq_partial, at the next step's start). Ordered
-// mode: after the additions of key blocks
-// 0..n-1 (2n turns, one per warpgroup), every thread adds its float4 groups from the registers (a
-// warp's group is 512 contiguous bytes), then the turn is counted. Measured (docs/PERF.md, sessions
-// 5 and 6): here the register path is 3 to 23 % faster, because a bulk reduction had to complete
-// before the turn; unordered it is 8 % slower. Each fast kernel carries one path (DqAddition): with
-// both, unordered lost 1.3 %.
+// mode: after the additions of key blocks 0..n-1 (2n turns, one per warpgroup), every thread adds
+// its float4 groups from the registers (a warp's group is 512 contiguous bytes), then the turn is
+// counted. Measured (docs/PERF.md, sessions 5 and 6): here the register path is 3 to 23 % faster,
+// because a bulk reduction had to complete before the turn; unordered it is 8 % slower. Each fast
+// kernel carries one path (DqAddition): with both, unordered lost 1.3 %.
 template <DqAddition kDq, typename Barrier>
 __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq)[kTileRegs],
                                                const int* row_max,
