@@ -5,8 +5,9 @@
 //   dV's A operand: E4M3(P_ij 2^(e_dO(i) - C + 8))^T      the dO scale folded into P^T
 //   dK's A operand: E4M3(dS_ij 2^e_q(i) / 2^ec_j)^T       ec_j: key j's scale over the tile's rows
 //   dQ's operand:   E4M3(dS_ij 2^e_k(j) / 2^er_i)         er_i: row i's scale over the block's
-//   keys,
-//                                                        reduced across both warpgroups (mainloop)
+//                                                        keys, from both warpgroups (mainloop)
+// The kernel computes the same codes from P' = P 2^(e_q + e_dO) and dS' = dS 2^e_q (bwd_smem.cuh's
+// RowTerms): the row scales enter P's exponent instead of multiplying every entry.
 // A thread holds keys r and r + 8 of its warp's 16 (rows of S^T) and, per 8 queries, queries 2t and
 // 2t + 1 of its quad; key statistics reduce over the quad.
 #pragma once
