@@ -85,8 +85,7 @@ __device__ __forceinline__ void issue_key_product_half(float (&tile)[kTileRegs],
 // acc += unit(key) * tile, once the tile's product is done.
 __device__ __forceinline__ void add_key_tile(float (&acc)[kTileRegs], float (&tile)[kTileRegs],
                                              const float (&unit)[kKeyRows]) {
-  wgmma::wait<0>();
-  wgmma::fence_operands(tile);
+  wgmma::wait_all(tile);
 #pragma unroll
   for (int i = 0; i < kTileRegs; ++i) acc[i] = fmaf(tile[i], unit[key_half(i)], acc[i]);
 }
@@ -126,8 +125,7 @@ __device__ __forceinline__ void issue_dq_product(float (&dq)[kTileRegs],
     wgmma::mma_e4m3<kHalfDim>(dq, wgmma::desc_advance(desc_ds, step * wgmma::kKBytes),
                               wgmma::desc_advance(desc_kt, step * wgmma::kKBytes), step > 0);
   wgmma::commit();
-  wgmma::wait<0>();
-  wgmma::fence_operands(dq);
+  wgmma::wait_all(dq);
 }
 
 // dQ's operand: each listed query's maximum over all 128 keys -> er, then E4M3(dS 2^e_k / 2^er)

@@ -81,11 +81,6 @@ __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
   wgmma::commit();
 }
 
-__device__ __forceinline__ void wait_all(float (&acc)[kAccRegs]) {
-  wgmma::wait<0>();
-  wgmma::fence_operands(acc);
-}
-
 // Half of the head dim per PV product: O_tile's half (32 registers) instead of all of it keeps a
 // consumer inside its 160 registers.
 constexpr int kPvHalves = 2;
@@ -185,7 +180,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     // Score product of tile kb and its softmax, P~ packed into `a`; the first kMaskedTiles tiles
     // (from kb = last) are masked, a compile-time flag so that the loop carries no mask code.
     auto score_turn_tail = [&](auto masked, float(&s)[kAccRegs], int kb) {
-      wait_all(s);
+      wgmma::wait_all(s);
       if constexpr (kKeyScales) scale_columns(s, sm.kscale[k_state.index], quad);
       sm.k_pipe.warp_release(k_state);
       if (kb == 0) sm.q_pipe.warp_release(q_state);
@@ -210,8 +205,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       for (int half = 0; half < kPvHalves; ++half) {
         float o_half[kPvHalfRegs];
         issue_value_product(o_half, a, sm.vt[v_state.index], half);
-        wgmma::wait<0>();
-        wgmma::fence_operands(o_half);
+        wgmma::wait_all(o_half);
 #pragma unroll
         for (int i = 0; i < kPvHalfRegs; ++i) {
           float& oi = o[half * kPvHalfRegs + i];

@@ -136,6 +136,13 @@ __device__ __forceinline__ void fence_operands(float (&d)[Regs]) {
   for (int i = 0; i < Regs; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Waits for every committed group, then pins the accumulators they write.
+template <int Regs>
+__device__ __forceinline__ void wait_all(float (&d)[Regs]) {
+  wait<0>();
+  fence_operands(d);
+}
+
 namespace detail {
 
 #define FLAMIA_WGMMA_REGS32                  \
