@@ -155,8 +155,10 @@ struct TrainingRun {
   int64_t dq_stride = 0, kv_stride = 0;  // token strides of the gradients (elements)
 };
 
-// Gradients with token strides one head wider than dense, so every token row has a gap.
-TrainingRun strided_run(const AttentionBatch& b) {
+// Gradients with token strides wider than dense, so every token row has a gap: dK and dV one head,
+// dQ `dq_gap` elements (a multiple of 4 lets the postprocess store four BF16 at a time, 2 only
+// pairs).
+TrainingRun strided_run(const AttentionBatch& b, int64_t dq_gap = kDim) {
   TrainingRun r;
   r.layout = b.layout();
   const PackedLayout& pl = r.layout;
@@ -167,7 +169,7 @@ TrainingRun strided_run(const AttentionBatch& b) {
   r.g = DeviceBuffer::upload(b.dout);
   r.o = DeviceBuffer(size_t(pl.tokens) * pl.heads_q * kDim * sizeof(uint16_t));
   r.lse = DeviceBuffer(size_t(pl.tokens) * pl.heads_q * sizeof(float));
-  r.dq_stride = int64_t(pl.heads_q + 1) * kDim;
+  r.dq_stride = int64_t(pl.heads_q) * kDim + dq_gap;
   r.kv_stride = int64_t(pl.heads_kv + 1) * kDim;
   r.dq = DeviceBuffer(size_t(pl.tokens) * r.dq_stride * sizeof(uint16_t));
   r.dk = DeviceBuffer(size_t(pl.tokens) * r.kv_stride * sizeof(uint16_t));
@@ -196,7 +198,7 @@ void run_training(GpuAttention& attention, TrainingRun& r) {
 constexpr uint8_t kPoison = 0xA5;
 
 // The strided gradients equal the dense ones of training_gpu_to_host in deterministic mode, and
-// the gap after every token row keeps the poison.
+// the gap after every token row keeps the poison; dQ with either postprocess store width.
 TEST(GpuAttentionBwdBuffers, StridedGradientsLeaveGapsUntouched) {
   FLAMIA_REQUIRE_GPU();
   BwdCase c{"strided", kOddDocs, 4, 2};
@@ -204,36 +206,40 @@ TEST(GpuAttentionBwdBuffers, StridedGradientsLeaveGapsUntouched) {
   GpuAttentionOptions options = gpu_options(c);
   options.deterministic = true;
   const AttentionOutputs<float> dense = training_gpu_to_host(b, options);
-  TrainingRun r = strided_run(b);
-  for (DeviceBuffer* buf : {&r.dq, &r.dk, &r.dv})
-    FLAMIA_CUDA_CHECK(cudaMemset(buf->get(), kPoison, buf->bytes()));
-  GpuAttention attention(r.layout, options);
-  run_training(attention, r);
-  struct Out {
-    const char* name;
-    const DeviceBuffer& buf;
-    int heads;
-    int64_t stride;
-    const std::vector<float>& dense;
-  };
-  const PackedLayout& pl = r.layout;
-  for (const Out& o : {Out{"dQ", r.dq, pl.heads_q, r.dq_stride, dense.dq},
-                       Out{"dK", r.dk, pl.heads_kv, r.kv_stride, dense.dk},
-                       Out{"dV", r.dv, pl.heads_kv, r.kv_stride, dense.dv}}) {
-    const std::vector<uint16_t> bits = o.buf.download<uint16_t>();
-    int64_t gap_changed = 0, mismatched = 0;
-    for (int64_t t = 0; t < pl.tokens; ++t)
-      for (int64_t e = 0; e < o.stride; ++e) {
-        const uint16_t x = bits[size_t(t * o.stride + e)];
-        if (e >= int64_t(o.heads) * kDim) {
-          gap_changed += x != uint16_t(kPoison | kPoison << 8);
-        } else {
-          const float want = o.dense[size_t(t * o.heads * kDim + e)];
-          mismatched += !(bf16::decode(x) == want);
+  constexpr int64_t kQuadGap = kDim, kPairGap = 2;
+  for (const int64_t dq_gap : {kQuadGap, kPairGap}) {
+    SCOPED_TRACE("dQ gap " + std::to_string(dq_gap));
+    TrainingRun r = strided_run(b, dq_gap);
+    for (DeviceBuffer* buf : {&r.dq, &r.dk, &r.dv})
+      FLAMIA_CUDA_CHECK(cudaMemset(buf->get(), kPoison, buf->bytes()));
+    GpuAttention attention(r.layout, options);
+    run_training(attention, r);
+    struct Out {
+      const char* name;
+      const DeviceBuffer& buf;
+      int heads;
+      int64_t stride;
+      const std::vector<float>& dense;
+    };
+    const PackedLayout& pl = r.layout;
+    for (const Out& o : {Out{"dQ", r.dq, pl.heads_q, r.dq_stride, dense.dq},
+                         Out{"dK", r.dk, pl.heads_kv, r.kv_stride, dense.dk},
+                         Out{"dV", r.dv, pl.heads_kv, r.kv_stride, dense.dv}}) {
+      const std::vector<uint16_t> bits = o.buf.download<uint16_t>();
+      int64_t gap_changed = 0, mismatched = 0;
+      for (int64_t t = 0; t < pl.tokens; ++t)
+        for (int64_t e = 0; e < o.stride; ++e) {
+          const uint16_t x = bits[size_t(t * o.stride + e)];
+          if (e >= int64_t(o.heads) * kDim) {
+            gap_changed += x != uint16_t(kPoison | kPoison << 8);
+          } else {
+            const float want = o.dense[size_t(t * o.heads * kDim + e)];
+            mismatched += !(bf16::decode(x) == want);
+          }
         }
-      }
-    EXPECT_EQ(gap_changed, 0) << o.name << ": the gaps between token rows were written";
-    EXPECT_EQ(mismatched, 0) << o.name << ": strided gradients differ from the dense ones";
+      EXPECT_EQ(gap_changed, 0) << o.name << ": the gaps between token rows were written";
+      EXPECT_EQ(mismatched, 0) << o.name << ": strided gradients differ from the dense ones";
+    }
   }
 }
 

@@ -176,6 +176,7 @@ struct PostprocessParams {
   int64_t tokens = 0;
   int heads_q = 0;
   float scale = 0.0f;
+  bool quad_stores = false;  // dq and its strides allow 8-byte stores of four BF16 (else pairs)
 };
 void launch_postprocess(const PostprocessParams& p, cudaStream_t stream);
 

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "arch.cuh"
 #include "bwd_params.h"
@@ -56,11 +57,23 @@ __global__ void __launch_bounds__(kPreThreads)
   if (active && part == 0) p.delta[int64_t(head) * p.tokens + token] = sum;
 }
 
-// Postprocess: one CTA per (query head, dQ slot); each thread converts float4s of the slot (one
-// coalesced 16-byte load each, dq_slot_quad's four elements) to two BF16 pairs, for the rows of
-// the slot's query tile inside its document.
+// Postprocess: one CTA per (query head, dQ slot). The slot's float4s (coalesced 16-byte loads,
+// dq_slot_quad's four elements each) go to a row-major tile in shared memory; then each warp
+// converts whole rows, a lane four consecutive columns, so a row's 256 BF16 bytes leave in one
+// coalesced store (straight from the fragment order, a store touched eight rows with 16 bytes each:
+// 2.2 TB/s, docs/PERF.md). Only the rows of the slot's query tile inside its document are stored.
 constexpr int kPostThreads = 256;
 constexpr int kSlotQuads = kDqSlotFloats / 4;
+constexpr int kRowQuads = kHeadDim / 4;  // float4s per row
+__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) {
+  uint32_t bits;
+  memcpy(&bits, &v, sizeof(bits));
+  return bits;
+}
+
+// Padding: a warp's float2 stores into the tile cover rows r .. r + 7 at the same columns, which
+// without it would fall in four banks.
+constexpr int kTilePad = 8;
 
 __global__ void __launch_bounds__(kPostThreads)
     postprocess_kernel(const __grid_constant__ PostprocessParams p) {
@@ -79,19 +92,29 @@ __global__ void __launch_bounds__(kPostThreads)
   const int length = int(p.cu_seqlens[lo + 1] - begin);
   const int first_row = int(slot - dq_tile_slot(begin, lo, 0)) * kBlockM;
   if (first_row >= length) return;  // a slot between documents
+  __shared__ alignas(16) float tile[kBlockM][kHeadDim + kTilePad];
   const float4* in = reinterpret_cast<const float4*>(
       p.dq_accum + (int64_t(head) * p.dq_slots + slot) * kDqSlotFloats);
   for (int i = int(threadIdx.x); i < kSlotQuads; i += kPostThreads) {
     const float4 acc = in[i];
     const DqQuad at = dq_slot_quad(4 * i);
-    const float pair[2][2] = {{acc.x, acc.y}, {acc.z, acc.w}};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = first_row + at.row + 8 * h;
-      if (r >= length) continue;
-      *reinterpret_cast<__nv_bfloat162*>(p.dq + (begin + r) * p.dq_stride_token +
-                                         head * p.dq_stride_head + at.col) =
-          __floats2bfloat162_rn(pair[h][0] * p.scale, pair[h][1] * p.scale);
+    *reinterpret_cast<float2*>(&tile[at.row][at.col]) = make_float2(acc.x, acc.y);
+    *reinterpret_cast<float2*>(&tile[at.row + 8][at.col]) = make_float2(acc.z, acc.w);
+  }
+  __syncthreads();
+  for (int e = int(threadIdx.x); e < kBlockM * kRowQuads; e += kPostThreads) {
+    const int row = e / kRowQuads, col = 4 * (e % kRowQuads);
+    const int r = first_row + row;
+    if (r >= length) break;  // rows only grow with e
+    const float4 v = *reinterpret_cast<const float4*>(&tile[row][col]);
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * p.scale, v.y * p.scale);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * p.scale, v.w * p.scale);
+    uint16_t* out = p.dq + (begin + r) * p.dq_stride_token + head * p.dq_stride_head + col;
+    if (p.quad_stores) {
+      *reinterpret_cast<uint2*>(out) = make_uint2(bf16x2_bits(lo), bf16x2_bits(hi));
+    } else {
+      reinterpret_cast<__nv_bfloat162*>(out)[0] = lo;
+      reinterpret_cast<__nv_bfloat162*>(out)[1] = hi;
     }
   }
 }
