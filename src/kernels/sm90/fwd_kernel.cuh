@@ -36,10 +36,10 @@ static_assert(register_split_fits(kProducerWarpgroups, kProducerRegs, kConsumerW
 static_assert(2 * kAccRegs + kKSlices * kFragRegs + kConsumerRegHeadroom <= kConsumerRegs,
               "consumer register budget too small");
 
-// Full barriers: Q by the producer's elected lane (one arrival plus the bytes); K and V^T by all
-// 32 producer lanes, each after its own scale-vector stores. Empty barriers: lane 0 of every
+// Full barriers: all 32 producer lanes, each after its own row-factor or scale-vector stores (the
+// elected lane's arrival carries the TMA bytes). Empty barriers: lane 0 of every
 // consumer warp, after its warpgroup's wgmma wait and a __syncwarp (Pipeline::warp_release).
-constexpr uint32_t kQFullArrivals = 1;
+constexpr uint32_t kQFullArrivals = kWarpThreads;
 constexpr uint32_t kTileFullArrivals = kWarpThreads;
 
 template <ScoreOperand kScore>
@@ -62,19 +62,24 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     WorkItem item{-1, 0, 0, 0};
     if (index < p.num_items) item = p.items[index];
 
+    const int64_t q_token =
+        item.doc < 0 ? 0 : p.cu_seqlens[item.doc] + int64_t(item.q_tile) * kBlockM;
+    uint32_t q_codes[kQRowsPerLane];
+    if constexpr (kKeyScales)
+      load_row_codes(q_codes, p.q_exponents + int64_t(item.head) * p.tokens_padded, q_token,
+                     item.doc < 0 ? 0 : p.tokens_padded, lane);
     sm.q_pipe.producer_acquire(q_state);
-    if (elected) {
-      sm.item[q_state.index] = item;
-      if (item.doc < 0) {
-        mbarrier_arrive(&sm.q_pipe.full[q_state.index]);
-      } else {
-        const int64_t q_token = p.cu_seqlens[item.doc] + int64_t(item.q_tile) * kBlockM;
-        sm.q_pipe.producer_commit(q_state, L::kQBytes);
+    if (elected) sm.item[q_state.index] = item;
+    if (kKeyScales && item.doc >= 0)
+      stage_query_factors(sm.q_factor[q_state.index], q_codes, p.scale_log2, lane);
+    if (elected && item.doc >= 0) {
+      sm.q_pipe.producer_commit(q_state, L::kQBytes);
 #pragma unroll
-        for (int span = 0; span < L::kSpans; ++span)
-          tma_load_3d(sm.q[q_state.index] + span * L::kQSpanBytes, &p.map_q, span * L::kSpanElems,
-                      item.head, int32_t(q_token), sm.q_pipe.full_barrier(q_state));
-      }
+      for (int span = 0; span < L::kSpans; ++span)
+        tma_load_3d(sm.q[q_state.index] + span * L::kQSpanBytes, &p.map_q, span * L::kSpanElems,
+                    item.head, int32_t(q_token), sm.q_pipe.full_barrier(q_state));
+    } else {
+      mbarrier_arrive(sm.q_pipe.full_barrier(q_state));
     }
     q_state.advance();
     if (item.doc < 0) return;

@@ -40,6 +40,33 @@ __device__ __forceinline__ float pow2_normal(int e) {
   return __uint_as_float(uint32_t(e + kFloatBias) << kFloatMantissaBits);
 }
 
+// Row factors of one work item's Q tile: softmax scale * log2(e) * 2^e_q per row, staged with the
+// tile so that a consumer starts an item without a global load on its critical path.
+constexpr int kQRowsPerLane = kBlockM / int(kWarpThreads);
+static_assert(kQRowsPerLane * int(kWarpThreads) == kBlockM, "one warp covers a query tile");
+
+struct alignas(16) QueryFactors {
+  float row[kBlockM];
+};
+
+// Codes of rows t0 + lane + 32 j of one head's exponent row (rows outside [0, Tp) read as 2^0).
+__device__ __forceinline__ void load_row_codes(uint32_t (&code)[kQRowsPerLane], const uint8_t* row,
+                                               int64_t t0, int64_t tokens_padded, int lane) {
+#pragma unroll
+  for (int j = 0; j < kQRowsPerLane; ++j) {
+    const int64_t t = t0 + lane + int(kWarpThreads) * j;
+    code[j] = t >= 0 && t < tokens_padded ? __ldg(row + t) : kUnitExponentCode;
+  }
+}
+
+__device__ __forceinline__ void stage_query_factors(QueryFactors& dst,
+                                                    const uint32_t (&code)[kQRowsPerLane],
+                                                    float scale_log2, int lane) {
+#pragma unroll
+  for (int j = 0; j < kQRowsPerLane; ++j)
+    dst.row[lane + int(kWarpThreads) * j] = scale_log2 * ue8m0::decode(uint8_t(code[j]));
+}
+
 struct LaneExponents {
   uint32_t code[kKeysPerLane];
 };

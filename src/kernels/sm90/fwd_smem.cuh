@@ -1,4 +1,5 @@
-// Shared memory of the forward kernel: the Q ring (a work item's Q and the item itself), the K and
+// Shared memory of the forward kernel: the Q ring (a work item's Q, its row factors and the item
+// itself), the K and
 // V^T rings with their per-key scale vectors, and the barriers. Every tile is 128B-swizzled and
 // K-major, as TMA writes it and wgmma reads it.
 #pragma once
@@ -35,6 +36,7 @@ struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   uint8_t vt[kStages][L::kVtBytes];
   KeyScales kscale[kStages];
   ValueScales vscale[kStages];
+  QueryFactors q_factor[kQStages];  // E4M3 Q only
   WorkItem item[kQStages];
   Pipeline<kQStages> q_pipe;
   Pipeline<kStages> k_pipe, v_pipe;

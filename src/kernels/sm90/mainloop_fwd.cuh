@@ -134,15 +134,9 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     {
       float row_factor[kRows];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t token = rows.begin + rows.m0 + thread_row(warpgroup, t, r);
-        float e = 1.0f;
-        if constexpr (kKeyScales)
-          e = ue8m0::decode(token < p.tokens_padded
-                                ? __ldg(p.q_exponents + item.head * p.tokens_padded + token)
-                                : kUnitExponentCode);
-        row_factor[r] = p.scale_log2 * e;
-      }
+      for (int r = 0; r < kRows; ++r)
+        row_factor[r] =
+            kKeyScales ? sm.q_factor[q_state.index].row[thread_row(warpgroup, t, r)] : p.scale_log2;
       st.init(row_factor);
     }
     float o[kAccRegs];
