@@ -1,8 +1,9 @@
 // The forward attention kernel (DESIGN §6), one persistent CTA per multiprocessor, 512 threads:
 //   warpgroup 0, warp 0  producer: takes work items from the GPU-built list through an atomic
 //                        counter, TMA-loads each item's Q, then its K and V^T tiles (last first)
-//                        into two-stage rings, and stages each tile's key scale vectors
-//                        (fwd_scales.cuh); the other three warps of the warpgroup exit at once.
+//                        into two-stage rings, and stages Q's row factors and each tile's key
+//                        scale vectors (fwd_scales.cuh); the other three warps of the warpgroup
+//                        exit at once.
 //   warpgroups 1-3       consumers: 64 query rows each (mainloop_fwd.cuh).
 // Included by the two instantiation files (fwd_mxfp8.cu, fwd_qk16.cu) only.
 #pragma once
@@ -37,8 +38,8 @@ static_assert(2 * kAccRegs + kKSlices * kFragRegs + kConsumerRegHeadroom <= kCon
               "consumer register budget too small");
 
 // Full barriers: all 32 producer lanes, each after its own row-factor or scale-vector stores (the
-// elected lane's arrival carries the TMA bytes). Empty barriers: lane 0 of every
-// consumer warp, after its warpgroup's wgmma wait and a __syncwarp (Pipeline::warp_release).
+// elected lane's arrival carries the TMA bytes). Empty barriers: lane 0 of every consumer warp,
+// after its warpgroup's wgmma wait and a __syncwarp (Pipeline::warp_release).
 constexpr uint32_t kQFullArrivals = kWarpThreads;
 constexpr uint32_t kTileFullArrivals = kWarpThreads;
 

@@ -1,7 +1,6 @@
 // Shared memory of the forward kernel: the Q ring (a work item's Q, its row factors and the item
-// itself), the K and
-// V^T rings with their per-key scale vectors, and the barriers. Every tile is 128B-swizzled and
-// K-major, as TMA writes it and wgmma reads it.
+// itself), the K and V^T rings with their per-key scale vectors, and the barriers. Every tile is
+// 128B-swizzled and K-major, as TMA writes it and wgmma reads it.
 #pragma once
 
 #include <cstdint>
