@@ -34,17 +34,21 @@ using test::expect_error;
 constexpr int kMillion = 1 << 20;
 constexpr int32_t kPoisonWord = -1;  // every byte 0xFF
 
-// The four geometries the forward kernel uses: tiles of 128 or 64 queries, 128 keys, causal or not.
+// Tiles of 128 or 64 queries from the document's start, and the forward kernel's 192 aligned to
+// its end in 64-row units; 128 keys, causal or not.
 std::vector<ScheduleGeometry> forward_geometries() {
   std::vector<ScheduleGeometry> all;
-  for (bool causal : {true, false})
+  for (bool causal : {true, false}) {
     for (int block_m : {128, 64}) all.push_back({block_m, 128, causal});
+    all.push_back({192, 128, causal, 64});
+  }
   return all;
 }
 
 std::string describe(const ScheduleGeometry& g, int heads) {
   return "block_m " + std::to_string(g.block_m) + ", block_n " + std::to_string(g.block_n) +
-         (g.causal ? ", causal" : ", non-causal") + ", heads " + std::to_string(heads);
+         (g.causal ? ", causal" : ", non-causal") + ", row_unit " + std::to_string(g.row_unit) +
+         ", heads " + std::to_string(heads);
 }
 
 PackedLayout layout_of(const std::vector<int32_t>& cu, int heads) {
@@ -63,8 +67,15 @@ PackedLayout layout_of(const std::vector<int32_t>& cu, int heads) {
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
+// With a row unit the last tile ends at the length rounded up to it: tile q ends that many whole
+// tiles earlier.
+int64_t expected_tile_end(int64_t len, int64_t q_tile, const ScheduleGeometry& g) {
+  if (g.row_unit == 0) return (q_tile + 1) * g.block_m;
+  const int64_t tiles = ceil_div(len, g.block_m);
+  return ceil_div(len, g.row_unit) * g.row_unit - (tiles - 1 - q_tile) * g.block_m;
+}
 int64_t expected_key_blocks(int64_t len, int64_t q_tile, const ScheduleGeometry& g) {
-  const int64_t visible = g.causal ? std::min(len, (q_tile + 1) * g.block_m) : len;
+  const int64_t visible = g.causal ? std::min(len, expected_tile_end(len, q_tile, g)) : len;
   return ceil_div(visible, g.block_n);
 }
 
@@ -124,21 +135,27 @@ void check_schedule(const std::vector<int64_t>& lengths, int heads, const Schedu
   for (int64_t i = 0; i < num_items; ++i) {
     const WorkItem& w = got[size_t(i)];
     const std::string where = "item " + std::to_string(i) + " = (doc " + std::to_string(w.doc) +
-                              ", q_tile " + std::to_string(w.q_tile) + ", head " +
+                              ", first_row " + std::to_string(w.first_row) + ", head " +
                               std::to_string(w.head) + ", key_blocks " +
                               std::to_string(w.key_blocks) + ")";
     ASSERT_TRUE(w.doc >= 0 && w.doc < num_docs) << where;
-    ASSERT_TRUE(w.q_tile >= 0 && w.q_tile < first_tile[w.doc + 1] - first_tile[w.doc]) << where;
+    // The tile whose first row this is: tile ends are block_m apart, the last one known.
+    const int64_t tiles = first_tile[w.doc + 1] - first_tile[w.doc];
+    const int64_t last_end = expected_tile_end(lengths[w.doc], tiles - 1, g);
+    const int64_t behind = last_end - (int64_t(w.first_row) + g.block_m);
+    ASSERT_TRUE(behind >= 0 && behind % g.block_m == 0 && behind / g.block_m < tiles)
+        << where << ": no tile of the document starts there";
+    const int64_t q_tile = tiles - 1 - behind / g.block_m;
     ASSERT_TRUE(w.head >= 0 && w.head < heads) << where;
-    ASSERT_EQ(w.key_blocks, expected_key_blocks(lengths[w.doc], w.q_tile, g)) << where;
-    const size_t flat = size_t((first_tile[w.doc] + w.q_tile) * heads + w.head);
+    ASSERT_EQ(w.key_blocks, expected_key_blocks(lengths[w.doc], q_tile, g)) << where;
+    const size_t flat = size_t((first_tile[w.doc] + q_tile) * heads + w.head);
     ASSERT_FALSE(seen[flat]) << where << " appears twice";
     seen[flat] = true;
     if (i == 0) continue;
     const WorkItem& prev = got[size_t(i - 1)];
     ASSERT_LE(w.key_blocks, prev.key_blocks) << where << ": not longest first";
     if (w.head > 0) {  // the tile's heads are adjacent and in order (K/V reuse in L2)
-      ASSERT_TRUE(prev.doc == w.doc && prev.q_tile == w.q_tile && prev.head == w.head - 1)
+      ASSERT_TRUE(prev.doc == w.doc && prev.first_row == w.first_row && prev.head == w.head - 1)
           << where << " does not follow head " << w.head - 1 << " of its tile";
     }
   }
@@ -277,6 +294,9 @@ TEST(GpuSchedulerHost, RejectsBadArguments) {
   a = good;
   a.geometry.block_n = -128;
   expect_error(run(a), "must be positive");
+  a = good;
+  a.geometry.row_unit = 48;  // does not divide block_m 128
+  expect_error(run(a), "row_unit = 48");
   a = good;
   a.heads = 0;
   expect_error(run(a), "heads = 0");

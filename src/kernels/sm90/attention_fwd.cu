@@ -42,9 +42,7 @@ GpuAttention::GpuAttention(const PackedLayout& layout, const GpuAttentionOptions
   m.layout = layout;
   m.layout.cu_seqlens = m.cu_seqlens.data();
   m.options = options;
-  m.geometry.block_m = kBlockM;
-  m.geometry.block_n = kBlockN;
-  m.geometry.causal = options.attention.causal;
+  m.geometry = sm90::fwd::schedule_geometry(options.attention.causal);
   m.items = sm90::count_work_items(m.layout, m.geometry);
   if (m.items > INT32_MAX) reject("too many work items (" + std::to_string(m.items) + ")");
   m.max_key_blocks = sm90::max_key_blocks(m.layout, m.geometry);

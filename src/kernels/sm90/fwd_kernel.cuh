@@ -63,8 +63,9 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     WorkItem item{-1, 0, 0, 0};
     if (index < p.num_items) item = p.items[index];
 
-    const int64_t q_token =
-        item.doc < 0 ? 0 : p.cu_seqlens[item.doc] + int64_t(item.q_tile) * kBlockM;
+    // A leading partial tile starts before the document: its rows there belong to idle
+    // warpgroups (for the first document TMA fills them with zeros).
+    const int64_t q_token = item.doc < 0 ? 0 : p.cu_seqlens[item.doc] + item.first_row;
     uint32_t q_codes[kQRowsPerLane];
     if constexpr (kKeyScales)
       load_row_codes(q_codes, p.q_exponents + int64_t(item.head) * p.tokens_padded, q_token,

@@ -20,6 +20,13 @@ constexpr int kHeadDim = 128;  // the one head dimension instantiated
 constexpr int kStages = 2;     // depth of the K and V^T rings
 constexpr int kQStages = 2;    // depth of the Q ring (a work item's Q travels with it)
 
+// The work list's geometry: tiles aligned to the document's end in warpgroup rows, so a partial
+// tile is a document's first (fewest keys) and every warpgroup's rows stay 64-aligned in the
+// document (the masked softmax relies on it).
+constexpr ScheduleGeometry schedule_geometry(bool causal) {
+  return ScheduleGeometry{kBlockM, kBlockN, causal, wgmma::kM};
+}
+
 // The operands of the score product S = Q K^T.
 enum class ScoreOperand {
   kE4m3,  // mxfp8: E4M3 codes with per-token exponents (any policy's exponent arrays)

@@ -49,14 +49,14 @@ struct alignas(16) QueryFactors {
   float row[kBlockM];
 };
 
-// Codes of rows t0 + lane + 32 j of one head's exponent row (rows past the padded row read as
-// 2^0).
+// Codes of rows t0 + lane + 32 j of one head's exponent row (rows outside [0, Tp) read as 2^0:
+// a leading partial tile starts before the document).
 __device__ __forceinline__ void load_row_codes(uint32_t (&code)[kQRowsPerLane], const uint8_t* row,
                                                int64_t t0, int64_t tokens_padded, int lane) {
 #pragma unroll
   for (int j = 0; j < kQRowsPerLane; ++j) {
     const int64_t t = t0 + lane + int(kWarpThreads) * j;
-    code[j] = t < tokens_padded ? __ldg(row + t) : kUnitExponentCode;
+    code[j] = t >= 0 && t < tokens_padded ? __ldg(row + t) : kUnitExponentCode;
   }
 }
 

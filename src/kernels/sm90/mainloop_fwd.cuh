@@ -129,7 +129,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     ItemRows rows;
     rows.begin = p.cu_seqlens[item.doc];
     rows.length = int(p.cu_seqlens[item.doc + 1] - rows.begin);
-    rows.m0 = item.q_tile * kBlockM;
+    rows.m0 = item.first_row;
     RowState st;
     {
       float row_factor[kRows];
@@ -145,7 +145,9 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     uint32_t a[kKSlices][kFragRegs];
     float o_rescale[kRows];
 
-    // A warpgroup whose rows all lie past the document's end has nothing to compute in the item;
+    // A warpgroup whose rows all lie past the document's end, or before its start (a leading
+    // partial tile; rows are 64-aligned, so none straddles the start), has nothing to compute in
+    // the item;
     // under the causal mask, one whose rows all precede the first processed tile's keys has
     // nothing in that tile. Such a turn keeps its place in the round and the pipeline arrivals
     // and skips the MMAs and the softmax: for a row without visible keys the update is the
@@ -163,7 +165,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       sm.v_pipe.warp_release(v_state);
       v_state.advance();
     };
-    if (first_row >= rows.length) {
+    if (first_row >= rows.length || first_row < 0) {
       for (int kb = last; kb >= 0; --kb) idle_turn(kb);
       begin_turn();  // the round's closing turn
       end_turn();

@@ -172,13 +172,16 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
     const int bucket = bucket_of(doc, key);
     const unsigned peers = __match_any_sync(kFullWarp, bucket);
     const int leader = __ffs(peers) - 1;
+    const int first_row =
+        doc < 0 ? 0
+                : schedule_first_row(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc], q_tile, p.geometry);
     int base = 0;
     if (bucket >= 0 && lane == leader) base = atomicAdd(&buckets[bucket], __popc(peers) * p.heads);
     base = __shfl_sync(kFullWarp, base, leader);
     if (bucket < 0) return;
     const int64_t first = int64_t(base) + int64_t(__popc(peers & lanes_below)) * p.heads;
     if (first < 0 || first + p.heads > p.num_items) return;
-    for (int h = 0; h < p.heads; ++h) p.items[first + h] = make_int4(doc, q_tile, h, key);
+    for (int h = 0; h < p.heads; ++h) p.items[first + h] = make_int4(doc, first_row, h, key);
   });
 }
 
@@ -190,6 +193,9 @@ void validate_geometry(const ScheduleGeometry& g) {
   if (g.block_m <= 0 || g.block_n <= 0)
     throw Error("schedule geometry: block_m = " + std::to_string(g.block_m) +
                 " and block_n = " + std::to_string(g.block_n) + " must be positive");
+  if (g.row_unit < 0 || (g.row_unit > 0 && g.block_m % g.row_unit != 0))
+    throw Error("schedule geometry: row_unit = " + std::to_string(g.row_unit) +
+                " must be 0 or a positive divisor of block_m = " + std::to_string(g.block_m));
 }
 
 bool aligned(const void* p, size_t alignment) {

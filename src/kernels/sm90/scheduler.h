@@ -1,12 +1,16 @@
 // The forward attention's work list, built on the GPU once per call (DESIGN §6 "Scheduling").
 //
 // A work item is one (document, query head, query tile) of a packed batch; query tiles are
-// document-relative (a document's first tile starts at its first token) and zero-length documents
-// have none. An item's cost is its number of visible key blocks. build_schedule writes the items
-// sorted by that cost, longest first (LPT), so persistent CTAs that take items in order through an
-// atomic counter finish close together. Within one cost the `heads` items of a query tile are
-// adjacent and in head order (the heads of a GQA group then share K/V in L2); the order of tiles
-// of equal cost may differ from call to call.
+// document-relative and zero-length documents have none. With ScheduleGeometry::row_unit set, a
+// document's tiles end at its last row_unit-rounded row and the first tile starts up to
+// block_m - row_unit rows before the document: the partial tile is the first, which sees the fewest
+// keys, instead of the last, which sees them all (the forward's 192-row tiles of three 64-row
+// warpgroups; 4096 tokens leave one warpgroup's rows for a partial tile). An item's cost is its
+// number of visible key blocks. build_schedule writes the items sorted by that cost, longest first
+// (LPT), so persistent CTAs that take items in order through an atomic counter finish close
+// together. Within one cost the `heads` items of a query tile are adjacent and in head order (the
+// heads of a GQA group then share K/V in L2); the order of tiles of equal cost may differ from call
+// to call.
 //
 // Plain C++: usable from .cc files; the inline helpers also compile as device code under nvcc.
 #pragma once
@@ -23,7 +27,7 @@ namespace flamia::sm90 {
 
 struct alignas(16) WorkItem {  // 16 bytes, read by the kernel with one vector load
   int32_t doc;
-  int32_t q_tile;      // document-relative query tile index
+  int32_t first_row;   // the tile's first document-relative row (schedule_first_row)
   int32_t head;        // query head
   int32_t key_blocks;  // the sort key (visible key blocks)
 };
@@ -32,9 +36,24 @@ static_assert(sizeof(WorkItem) == 16, "one 16-byte vector load per item");
 struct ScheduleGeometry {
   int block_m = 128, block_n = 128;
   bool causal = true;
+  int row_unit = 0;  // 0: tiles start at the document's first row; else a divisor of block_m
 };
 
-// Query tiles of a document of `doc_len` tokens: ceil(doc_len / block_m).
+// Rows of query tile 0 before the document (0 without row_unit): block_m minus the document's
+// length rounded up to row_unit, modulo block_m.
+FLAMIA_HD int32_t schedule_lead_rows(int32_t doc_len, const ScheduleGeometry& g) {
+  if (g.row_unit <= 0) return 0;
+  const int64_t rounded = (int64_t(doc_len) + g.row_unit - 1) / g.row_unit * g.row_unit;
+  return int32_t((g.block_m - rounded % g.block_m) % g.block_m);
+}
+
+// The document-relative first row of query tile `q_tile` (negative for a leading partial tile).
+FLAMIA_HD int32_t schedule_first_row(int32_t doc_len, int32_t q_tile, const ScheduleGeometry& g) {
+  return int32_t(int64_t(q_tile) * g.block_m - schedule_lead_rows(doc_len, g));
+}
+
+// Query tiles of a document of `doc_len` tokens: ceil(doc_len / block_m), with or without a lead
+// (row_unit divides block_m, so the rounded length needs as many tiles).
 FLAMIA_HD int32_t schedule_query_tiles(int32_t doc_len, int block_m) {
   return int32_t((int64_t(doc_len) + block_m - 1) / block_m);
 }
@@ -42,7 +61,7 @@ FLAMIA_HD int32_t schedule_query_tiles(int32_t doc_len, int block_m) {
 // Visible key blocks of query tile `q_tile` of a document of `doc_len` tokens: causal, the keys up
 // to the tile's last row (clamped to the document); otherwise the whole document.
 FLAMIA_HD int32_t schedule_key_blocks(int32_t doc_len, int32_t q_tile, const ScheduleGeometry& g) {
-  const int64_t tile_end = (int64_t(q_tile) + 1) * g.block_m;
+  const int64_t tile_end = int64_t(schedule_first_row(doc_len, q_tile, g)) + g.block_m;
   const int64_t keys = g.causal && tile_end < doc_len ? tile_end : int64_t(doc_len);
   return int32_t((keys + g.block_n - 1) / g.block_n);
 }
