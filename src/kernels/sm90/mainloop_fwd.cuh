@@ -147,9 +147,8 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
 
     // A warpgroup whose rows all lie past the document's end, or before its start (a leading
     // partial tile; rows are 64-aligned, so none straddles the start), has nothing to compute in
-    // the item;
-    // under the causal mask, one whose rows all precede the first processed tile's keys has
-    // nothing in that tile. Such a turn keeps its place in the round and the pipeline arrivals
+    // the item; under the causal mask, one whose rows all precede the first processed tile's keys
+    // has nothing in that tile. Such a turn keeps its place in the round and the pipeline arrivals
     // and skips the MMAs and the softmax: for a row without visible keys the update is the
     // identity. (A path of its own: wgmma under a data-dependent branch serialises the pipeline.)
     const int first_row = rows.m0 + warpgroup * wgmma::kM;
