@@ -81,7 +81,7 @@ struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   // while the next is written).
   float dq_stage[2][kDqStages][kDqHalfFloats];
   QueryRows rows[kQStages];
-  int row_max[kMaxBuffers][kBlockM];
+  alignas(8) int row_max[kMaxBuffers][kBlockM];  // 8-aligned: a thread's query pairs as int2
   WorkItem item;
   Pipeline<1> kv_pipe;
   Pipeline<kQStages> q_pipe;

@@ -146,10 +146,15 @@ __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds
   constexpr uint32_t kOddKeyWord = 0x3726;   // odd query: j - 1, j, j + 7, j + 8
   constexpr unsigned kFull = 0xFFFFFFFFu;
   constexpr int kPartnerLane = 4;  // the lane holding keys j ^ 1
+  // A thread's listed queries come in adjacent pairs (2 quad, 2 quad + 1 of each 8): one 8-byte
+  // load per pair.
   float inv[kThreadQueries];
 #pragma unroll
-  for (int n = 0; n < kThreadQueries; ++n)
-    inv[n] = inverse_scale_e4m3_of_field(uint32_t(row_max[listed_query(quad, n)]));
+  for (int n = 0; n < kThreadQueries; n += 2) {
+    const int2 fields = *reinterpret_cast<const int2*>(row_max + listed_query(quad, n));
+    inv[n] = inverse_scale_e4m3_of_field(uint32_t(fields.x));
+    inv[n + 1] = inverse_scale_e4m3_of_field(uint32_t(fields.y));
+  }
   const int odd_key = key_base & 1;
   const uint32_t select = odd_key ? kOddKeyWord : kEvenKeyWord;
   uint8_t* word = ds_tile + wgmma::sw128_offset(uint32_t(2 * quad + odd_key),
