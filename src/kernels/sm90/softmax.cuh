@@ -164,9 +164,9 @@ __device__ __forceinline__ void softmax_masked_tile(float (&s)[kAccRegs], RowSta
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const float m_new = updated_max(st.m[r], mx[r], st.rf[r]);
-    // last >= 0: a warpgroup's 64 rows and a key tile's start are both 64-aligned in the item,
-    // so its rows either all precede the tile (an idle turn, mainloop_fwd.cuh) or all see a key of
-    // it; rows past the document's end still see its keys up to the end.
+    // last >= 0: a warpgroup's 64 rows and a key tile's start are both 64-aligned in the
+    // document, so its rows either all precede the tile (an idle turn, mainloop_fwd.cuh) or all
+    // see a key of it; rows past the document's end still see its keys up to the end.
     const int ref_new = max(st.ref[r], vs.prefix_max[last[r]]);
     const float alpha = exp2_approx(st.m[r] - exp_base(m_new));
     o_rescale[r] = alpha * pow2_nonpositive(st.ref[r] - ref_new);
