@@ -216,9 +216,9 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   post.tokens = pl.tokens;
   post.heads_q = pl.heads_q;
   post.scale = p.scale;
-  constexpr uintptr_t kQuadBytes = 4 * sizeof(uint16_t);
-  post.quad_stores = reinterpret_cast<uintptr_t>(post.dq) % kQuadBytes == 0 &&
-                     post.dq_stride_token % 4 == 0 && post.dq_stride_head % 4 == 0;
+  constexpr int kQuad = 4;  // BF16 elements of one 8-byte store
+  post.quad_stores = is_aligned(post.dq, kQuad * sizeof(uint16_t)) &&
+                     post.dq_stride_token % kQuad == 0 && post.dq_stride_head % kQuad == 0;
   sm90::bwd::launch_postprocess(post, stream);
 }
 
