@@ -214,6 +214,12 @@ TEST(ScaleExponent, E4m3FastFormEqualsTheRule) {
       if (float_to_bits(inverse_scale_e4m3_of_field(field)) != float_to_bits(exp2i(-rule)) &&
           ++mismatched <= 5)
         ADD_FAILURE() << "inverse scale from the field, amax bits " << std::hex << bits;
+      // The 16-bit key: its field is the field, it fits its half word, and it is monotone.
+      const uint32_t key = e4m3_scale_key16(a);
+      if ((e4m3_scale_field_of_key16(key) != e4m3_scale_field_unclamped(a) || key > 0xFFFFu ||
+           e4m3_scale_key16(bits_to_float(bits + 1)) < key) &&
+          ++mismatched <= 5)
+        ADD_FAILURE() << "16-bit key, amax bits " << std::hex << bits;
       // Monotone: the next larger float's field is never smaller (unclamped, too).
       if ((e4m3_scale_field(bits_to_float(bits + 1)) < field ||
            e4m3_scale_field_unclamped(bits_to_float(bits + 1)) < e4m3_scale_field_unclamped(a)) &&

@@ -256,6 +256,17 @@ FLAMIA_HD uint32_t e4m3_scale_field(float amax) {
   return field < e4m3_scale::kMinField ? e4m3_scale::kMinField : field;
 }
 
+// A 16-bit key of a finite amax >= 0 whose maximum gives the maximum's unclamped field: the same
+// sum shifted by 16 instead of 23 (at most 0x7F9F), monotone in amax, so a kernel can reduce two
+// keys per 32-bit word with a per-halfword maximum and shift the result by 7 more.
+constexpr uint32_t kE4m3ScaleKeyBits = 16;
+FLAMIA_HD uint32_t e4m3_scale_key16(float amax) {
+  return (float_to_bits(amax) + e4m3_scale::kCarry) >> kE4m3ScaleKeyBits;
+}
+FLAMIA_HD uint32_t e4m3_scale_field_of_key16(uint32_t key) {
+  return key >> (kFloatMantissaBits - kE4m3ScaleKeyBits);
+}
+
 // scale_exponent_up_e4m3 and 2^-scale_exponent_up_e4m3 of an amax > 0 from its field (>=
 // kMinField: no clamp left to apply). For amax == 0 they give the clamp's -127 and 2^127 instead of
 // kZeroGroupExponent and 1: any finite scale quantizes zeros to zero codes.

@@ -178,37 +178,47 @@ __device__ __forceinline__ void publish_diagnostics(DiagnosticCounters* totals,
   }
 }
 
-// One exchange of the transposing butterfly below: over lane bit kBit, v[0, 2 kWidth) becomes
-// v[0, kWidth), the lane keeping the half its bit selects.
+// The butterfly below works on the maxima's 16-bit scale keys (e4m3_scale_key16: the maximum's
+// field is the keys' maximum shifted), two queries per 32-bit word reduced by one per-halfword
+// maximum (VIMNMX.U16x2): half the shuffles of a float butterfly, and no field conversion after.
+constexpr uint32_t kKeyMask = (1u << kE4m3ScaleKeyBits) - 1;
+
+// One exchange of the transposing butterfly: over lane bit kBit, w[0, 2 kWidth) becomes
+// w[0, kWidth), the lane keeping the half its bit selects.
 template <int kBit, int kWidth>
-__device__ __forceinline__ void butterfly_max_round(float (&v)[kThreadQueries], int lane,
+__device__ __forceinline__ void butterfly_max_round(uint32_t (&w)[kThreadQueries / 2], int lane,
                                                     int& first) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
   const bool upper = (lane >> kBit) & 1;
 #pragma unroll
   for (int j = 0; j < kWidth; ++j) {
-    const float lo = v[j], hi = v[j + kWidth];
-    const float mine = upper ? hi : lo, theirs = upper ? lo : hi;
-    v[j] = fmaxf(mine, __shfl_xor_sync(kFull, theirs, 1 << kBit));
+    const uint32_t lo = w[j], hi = w[j + kWidth];
+    const uint32_t mine = upper ? hi : lo, theirs = upper ? lo : hi;
+    w[j] = __vmaxu2(mine, __shfl_xor_sync(kFull, theirs, 1 << kBit));
   }
-  first += upper ? kWidth : 0;
+  first += upper ? 2 * kWidth : 0;
 }
 
 // Reduces each listed query's maximum over the warp's 16 keys (the 8 lanes of equal quad
-// position) by a transposing butterfly: each exchange over lane bit b halves the values a lane
-// keeps, so after bits 4, 3, 2 (14 shuffles) lane l holds listed queries 8 b4 + 4 b3 + 2 b2 and
-// the next one, whose scale fields (e4m3_scale_field: the maximum's field is the fields' maximum)
-// it publishes to the block-wide maxima.
+// position) by a transposing butterfly: each exchange over lane bit b halves the words a lane
+// keeps, so after bits 4, 3, 2 (7 shuffles) lane l holds listed queries 8 b4 + 4 b3 + 2 b2 and
+// the next one, whose scale fields it publishes to the block-wide maxima.
 __device__ __forceinline__ void publish_query_max(int* row_max, float (&query_max)[kThreadQueries],
                                                   int quad) {
   const int lane = int(lane_index());
-  int first = 0;  // the listed query of query_max[0]
-  butterfly_max_round<4, 8>(query_max, lane, first);
-  butterfly_max_round<3, 4>(query_max, lane, first);
-  butterfly_max_round<2, 2>(query_max, lane, first);
+  uint32_t w[kThreadQueries / 2];
+#pragma unroll
+  for (int k = 0; k < kThreadQueries / 2; ++k)
+    w[k] = e4m3_scale_key16(query_max[2 * k]) | e4m3_scale_key16(query_max[2 * k + 1])
+                                                    << kE4m3ScaleKeyBits;
+  int first = 0;  // the listed query of w[0]'s low half
+  butterfly_max_round<4, 4>(w, lane, first);
+  butterfly_max_round<3, 2>(w, lane, first);
+  butterfly_max_round<2, 1>(w, lane, first);
   // The buffers start at kMinField (kRowMaxFloor): the unclamped fields suffice.
-  atomicMax(&row_max[listed_query(quad, first)], int(e4m3_scale_field_unclamped(query_max[0])));
-  atomicMax(&row_max[listed_query(quad, first + 1)], int(e4m3_scale_field_unclamped(query_max[1])));
+  atomicMax(&row_max[listed_query(quad, first)], int(e4m3_scale_field_of_key16(w[0] & kKeyMask)));
+  atomicMax(&row_max[listed_query(quad, first + 1)],
+            int(e4m3_scale_field_of_key16(w[0] >> kE4m3ScaleKeyBits)));
 }
 
 }  // namespace flamia::sm90::bwd
