@@ -40,6 +40,14 @@ __device__ __forceinline__ int listed_query(int quad, int n) {
   return 8 * (n >> 1) + 2 * quad + (n & 1);
 }
 
+// Two 16-bit scale keys per word (e4m3_scale_key16), reduced with per-halfword maxima.
+constexpr uint32_t kKeyMask = (1u << kE4m3ScaleKeyBits) - 1;
+__device__ __forceinline__ uint32_t quad_max_u16x2(uint32_t keys) {
+  constexpr unsigned kFull = 0xFFFFFFFFu;
+  keys = __vmaxu2(keys, __shfl_xor_sync(kFull, keys, 1));
+  return __vmaxu2(keys, __shfl_xor_sync(kFull, keys, 2));
+}
+
 // A thread's two keys of the block.
 struct KeyRows {
   float score[kKeyRows];  // 2^e_k: S's column scale (1 when the score product reads BF16 K)
@@ -125,15 +133,21 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   }
   pack_a_fragments<kQuerySlices>(s, ops.p);
 
-  // dK's operand: dS' (2^e_q folded in already) in the key's scale over the tile's 64 queries.
+  // dK's operand: dS' (2^e_q folded in already) in the key's scale over the tile's 64 queries. The
+  // thread's two keys' 16-bit scale keys share a word, reduced over the quad in one pass (a key
+  // with no nonzero dS gets the floor field: its codes are zeros at any scale).
   float amax[kKeyRows] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < kTileRegs; ++i) amax[key_half(i)] = fmaxf(amax[key_half(i)], fabsf(dp[i]));
+  uint32_t keys = e4m3_scale_key16(amax[0]) | e4m3_scale_key16(amax[1]) << kE4m3ScaleKeyBits;
+  keys = quad_max_u16x2(keys);
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r) {
-    const float key_max = quad_max(amax[r]);
-    ops.ds_unit[r] = exp2i(scale_exponent_up_e4m3(key_max));
-    amax[r] = inverse_scale_e4m3(key_max);  // now the inverse unit
+    const uint32_t field =
+        max(e4m3_scale_field_of_key16((keys >> (r * kE4m3ScaleKeyBits)) & kKeyMask),
+            e4m3_scale::kMinField);
+    ops.ds_unit[r] = exp2i(scale_exponent_up_e4m3_of_field(field));
+    amax[r] = inverse_scale_e4m3_of_field(field);  // now the inverse unit
   }
 #pragma unroll
   for (int i = 0; i < kTileRegs; ++i) {
@@ -181,8 +195,6 @@ __device__ __forceinline__ void publish_diagnostics(DiagnosticCounters* totals,
 // The butterfly below works on the maxima's 16-bit scale keys (e4m3_scale_key16: the maximum's
 // field is the keys' maximum shifted), two queries per 32-bit word reduced by one per-halfword
 // maximum (VIMNMX.U16x2): half the shuffles of a float butterfly, and no field conversion after.
-constexpr uint32_t kKeyMask = (1u << kE4m3ScaleKeyBits) - 1;
-
 // One exchange of the transposing butterfly: over lane bit kBit, w[0, 2 kWidth) becomes
 // w[0, kWidth), the lane keeping the half its bit selects.
 template <int kBit, int kWidth>
