@@ -72,7 +72,8 @@ class GpuAttention {
 
   // Forward from BF16 inputs (Q, K, V non-null; dO ignored): quantizes into owned buffers, then
   // runs the kernel. Non-finite inputs are reported by quantizer_status() (they are zeroed, never
-  // spread across the masks).
+  // spread across the masks). Once a backward has run on this object, the kernel also zeroes its
+  // dQ accumulator for the next one.
   void forward(const DeviceAttentionInputs& in, const DeviceAttentionOutputs& out,
                cudaStream_t stream);
 

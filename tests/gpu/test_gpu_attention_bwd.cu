@@ -17,6 +17,7 @@
 // of order 1 or more. Every gradient element must also be finite.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -177,15 +178,15 @@ TrainingRun strided_run(const AttentionBatch& b, int64_t dq_gap = kDim) {
   return r;
 }
 
-void run_training(GpuAttention& attention, TrainingRun& r) {
+DeviceAttentionInputs run_inputs(const TrainingRun& r) {
+  return dense_device_inputs(r.layout, r.cu.get<int32_t>(), r.q.get<uint16_t>(),
+                             r.k.get<uint16_t>(), r.v.get<uint16_t>(), r.g.get<uint16_t>());
+}
+
+// The training call's backward alone (after a BF16 forward on `attention`).
+void run_backward(GpuAttention& attention, TrainingRun& r) {
   const PackedLayout& pl = r.layout;
-  const DeviceAttentionInputs in =
-      dense_device_inputs(pl, r.cu.get<int32_t>(), r.q.get<uint16_t>(), r.k.get<uint16_t>(),
-                          r.v.get<uint16_t>(), r.g.get<uint16_t>());
-  DeviceAttentionOutputs out;
-  out.o = dense_view<uint16_t>(r.o.get<uint16_t>(), pl.heads_q, kDim);
-  out.lse = r.lse.get<float>();
-  attention.forward(in, out, nullptr);
+  const DeviceAttentionInputs in = run_inputs(r);
   DeviceAttentionGradients grads;
   grads.dq = {r.dq.get<uint16_t>(), r.dq_stride, kDim};
   grads.dk = {r.dk.get<uint16_t>(), r.kv_stride, kDim};
@@ -193,6 +194,14 @@ void run_training(GpuAttention& attention, TrainingRun& r) {
   attention.backward(in, dense_view<const uint16_t>(r.o.get<uint16_t>(), pl.heads_q, kDim),
                      r.lse.get<float>(), grads, nullptr);
   FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+void run_training(GpuAttention& attention, TrainingRun& r) {
+  DeviceAttentionOutputs out;
+  out.o = dense_view<uint16_t>(r.o.get<uint16_t>(), r.layout.heads_q, kDim);
+  out.lse = r.lse.get<float>();
+  attention.forward(run_inputs(r), out, nullptr);
+  run_backward(attention, r);
 }
 
 constexpr uint8_t kPoison = 0xA5;
@@ -283,6 +292,45 @@ TEST(GpuAttentionBwdBuffers, DeterministicDqIsReproducibleAndPrefixIsolated) {
     if (deterministic) {
       EXPECT_EQ(run_diff, 0);
       EXPECT_EQ(prefix_diff, 0);
+    }
+  }
+}
+
+// From the second training call on one object, the forward kernel zeroes the backward's dQ
+// accumulator and the preprocess skips its clear (dq_clear.cuh). Deterministic mode: every later
+// call, and a backward run again without a forward (the preprocess clears again), gives the first
+// call's dQ bitwise. Atomic mode: within the run-to-run spread (an uncleared accumulator doubles
+// dQ).
+TEST(GpuAttentionBwdBuffers, RepeatedCallsStartFromAClearedDq) {
+  FLAMIA_REQUIRE_GPU();
+  BwdCase c{"repeat", kOddDocs, 4, 2};
+  const AttentionBatch b = make_batch(c);
+  for (bool deterministic : {true, false}) {
+    SCOPED_TRACE(deterministic ? "deterministic" : "atomic");
+    GpuAttentionOptions options = gpu_options(c);
+    options.deterministic = deterministic;
+    TrainingRun r = strided_run(b);
+    GpuAttention attention(r.layout, options);
+    FLAMIA_CUDA_CHECK(cudaMemset(r.dq.get(), kPoison, r.dq.bytes()));  // the gaps match below
+    run_training(attention, r);
+    const std::vector<uint16_t> first = download_dq(r);
+    float largest = 0.0f;
+    for (uint16_t x : first) largest = std::max(largest, std::fabs(bf16::decode(x)));
+    ASSERT_GT(largest, 0.0f);
+    const float tolerance = deterministic ? 0.0f : largest / 64;
+    for (int call = 0; call < 3; ++call) {
+      SCOPED_TRACE(call < 2 ? "training call " + std::to_string(call + 2) : "backward alone");
+      FLAMIA_CUDA_CHECK(cudaMemset(r.dq.get(), kPoison, r.dq.bytes()));
+      if (call < 2) {
+        run_training(attention, r);
+      } else {
+        run_backward(attention, r);
+      }
+      const std::vector<uint16_t> dq = download_dq(r);
+      int64_t beyond = 0;
+      for (size_t i = 0; i < dq.size(); ++i)
+        beyond += !(std::fabs(bf16::decode(dq[i]) - bf16::decode(first[i])) <= tolerance);
+      EXPECT_EQ(beyond, 0) << "dQ elements off the first call's by more than " << tolerance;
     }
   }
 }

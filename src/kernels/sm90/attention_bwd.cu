@@ -126,6 +126,8 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     b->dq_slots = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
     const size_t slots = size_t(b->dq_slots) * pl.heads_q;
     b->dq_accum = cuda::DeviceBuffer(slots * sm90::bwd::kDqSlotFloats * sizeof(float));
+    b->dq_zeroed = cuda::DeviceBuffer(sizeof(int));
+    FLAMIA_CUDA_CHECK(cudaMemsetAsync(b->dq_zeroed.get(), 0, sizeof(int), stream));
     if (m.options.deterministic) b->dq_turns = cuda::DeviceBuffer(slots * sizeof(int));
     if (m.options.diagnostics) {
       b->diagnostics = cuda::DeviceBuffer(sizeof(sm90::bwd::DiagnosticCounters));
@@ -149,6 +151,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   pre.delta = b.delta.get<float>();
   pre.tokens = pl.tokens;
   pre.heads_q = pl.heads_q;
+  pre.dq_clear = b.dq_clear();
   sm90::bwd::launch_preprocess(pre, stream);
 
   sm90::bwd::Params p;
@@ -177,7 +180,6 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   p.delta = b.delta.get<float>();
   p.dq_accum = b.dq_accum.get<float>();
   p.dq_slots = b.dq_slots;
-  FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.dq_accum, 0, b.dq_accum.bytes(), stream));
   if (m.options.deterministic) {
     p.dq_turns = b.dq_turns.get<int>();
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.dq_turns, 0, b.dq_turns.bytes(), stream));
@@ -216,6 +218,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   post.tokens = pl.tokens;
   post.heads_q = pl.heads_q;
   post.scale = p.scale;
+  post.dq_zeroed = b.dq_zeroed.get<int>();
   constexpr int kQuad = 4;  // BF16 elements of one 8-byte store
   post.quad_stores = is_aligned(post.dq, kQuad * sizeof(uint16_t)) &&
                      post.dq_stride_token % kQuad == 0 && post.dq_stride_head % kQuad == 0;

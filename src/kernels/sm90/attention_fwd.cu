@@ -1,6 +1,7 @@
 // Host side of the GPU forward: argument checks, tensor maps, the GPU-built work list and the
 // launch (flamia/attention_gpu.h).
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,6 +18,30 @@ using sm90::fwd::ScoreOperand;
 
 static_assert(kGpuForwardTiles.block_m == kBlockM && kGpuForwardTiles.block_n == kBlockN,
               "the emulator's tiles must be the kernel's");
+
+double forward_flops(const PackedLayout& pl, bool causal) {
+  double pairs = 0;
+  for (int d = 0; d < pl.num_docs; ++d) {
+    const double n = double(pl.cu_seqlens[d + 1] - pl.cu_seqlens[d]);
+    pairs += causal ? n * (n + 1) / 2 : n * n;
+  }
+  constexpr double kFlopsPerPairAndDim = 4;  // a multiply-add in QK^T and one in PV
+  return kFlopsPerPairAndDim * pairs * pl.head_dim * pl.heads_q;
+}
+
+// The forward's clear of the dQ accumulator is paced to end within about half of the kernel's
+// shortest plausible duration (its FLOPs at kFastestForwardTflops): the pause between a clearing
+// warp's stores.
+constexpr double kFastestForwardTflops = 1000;
+constexpr double kClearShare = 0.5;
+constexpr double kMaxClearPauseNs = 10000;
+uint32_t clear_pause_ns(double flops, int64_t vectors, int ctas) {
+  const double warps = double(ctas) * sm90::fwd::kClearWarps;
+  const double stores = std::ceil(double(vectors) / (warps * sm90::kWarpThreads));
+  if (stores < 1) return 0;
+  constexpr double kFlopsPerNs = kFastestForwardTflops * 1e3;
+  return uint32_t(std::min(kClearShare * flops / kFlopsPerNs / stores, kMaxClearPauseNs));
+}
 
 }  // namespace
 
@@ -46,6 +71,7 @@ GpuAttention::GpuAttention(const PackedLayout& layout, const GpuAttentionOptions
   m.items = sm90::count_work_items(m.layout, m.geometry);
   if (m.items > INT32_MAX) reject("too many work items (" + std::to_string(m.items) + ")");
   m.max_key_blocks = sm90::max_key_blocks(m.layout, m.geometry);
+  m.forward_flops = forward_flops(m.layout, options.attention.causal);
   m.item_buffer =
       cuda::DeviceBuffer(size_t(std::max<int64_t>(m.items, 1)) * sizeof(sm90::WorkItem));
   m.counter = cuda::DeviceBuffer(sizeof(int));
@@ -65,7 +91,14 @@ int GpuAttention::ctas() const {
 
 void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceQuantizedAttention& quant,
                            const DeviceAttentionOutputs& out, cudaStream_t stream) const {
-  const Impl& m = *impl_;
+  impl_->forward(in, quant, out, {}, stream);
+}
+
+void GpuAttention::Impl::forward(const DeviceAttentionInputs& in,
+                                 const DeviceQuantizedAttention& quant,
+                                 const DeviceAttentionOutputs& out, const sm90::DqClear& dq_clear,
+                                 cudaStream_t stream) const {
+  const Impl& m = *this;
   const PackedLayout& pl = m.layout;
   if (in.layout.cu_seqlens == nullptr || !same_layout(in.layout, pl))
     reject("the inputs' layout differs from the one this GpuAttention was built for");
@@ -84,7 +117,7 @@ void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceQuantize
   require_device_pointer(quant.v.exponents, 1, "V exponents");
   require_bf16_output(out.o, pl, pl.heads_q, "O");
   require_device_pointer(out.lse, sizeof(float), "LSE");
-  if (m.items == 0) return;
+  if (m.items == 0) return;  // no tokens: no backward work either
 
   const QuantLayout lq = QuantLayout::make(pl.tokens, pl.heads_q, pl.head_dim, pl.num_docs);
   const QuantLayout lkv = QuantLayout::make(pl.tokens, pl.heads_kv, pl.head_dim, pl.num_docs);
@@ -112,6 +145,7 @@ void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceQuantize
   p.tokens = pl.tokens;
   p.group = pl.group();
   p.scale_log2 = m.options.attention.scale_log2_for(pl.head_dim);
+  p.dq_clear = dq_clear;
 
   sm90::ScheduleArgs sched;
   sched.cu_seqlens = in.cu_seqlens;
@@ -153,7 +187,15 @@ void GpuAttention::forward(const DeviceAttentionInputs& in, const DeviceAttentio
   DeviceAttentionInputs forward_inputs = in;
   forward_inputs.dout = {};  // the forward quantizes Q, K, V only
   quantize_gpu(forward_inputs, qo, m.quant->view(), stream);
-  forward(forward_inputs, m.quant->view(), out, stream);
+  // The training call's backward needs its dQ accumulator zeroed: the forward kernel's spare warps
+  // do it beside the attention, where memory bandwidth is idle (from the second call on, once the
+  // first backward has allocated the accumulator).
+  sm90::DqClear clear;
+  if (m.backward) {
+    clear = m.backward->dq_clear();
+    clear.pause_ns = clear_pause_ns(m.forward_flops, clear.vectors, m.ctas);
+  }
+  m.forward(forward_inputs, m.quant->view(), out, clear, stream);
 }
 
 const DeviceQuantizedAttention& GpuAttention::quantized() const {

@@ -135,6 +135,10 @@ struct BackwardState {
   cuda::DeviceBuffer items, counter, delta, dq_accum, dq_turns;
   int64_t dq_slots = 0;
   cuda::DeviceBuffer diagnostics, row_sum, row_abs;  // with GpuAttentionOptions::diagnostics
+  cuda::DeviceBuffer dq_zeroed;                      // int: DqClear::zeroed
+  sm90::DqClear dq_clear() const {
+    return {dq_accum.get<uint4>(), int64_t(dq_accum.bytes() / sizeof(uint4)), dq_zeroed.get<int>()};
+  }
 };
 
 }  // namespace gpu_attention
@@ -145,12 +149,19 @@ struct GpuAttention::Impl {
   GpuAttentionOptions options;
   sm90::ScheduleGeometry geometry;
   int64_t items = 0;
+  double forward_flops = 0;  // QK^T and PV over the visible pairs
   int max_key_blocks = 0;
   int ctas = 0;
   cuda::DeviceBuffer item_buffer, counter, workspace;
   // The BF16 entries' quantizer outputs (dO's arrays included, for the training call's backward).
   std::unique_ptr<cuda::QuantizeOutputs> quant;
   std::unique_ptr<gpu_attention::BackwardState> backward;
+
+  // Both forward entries' checks and launch (attention_fwd.cu); the kernel also zeroes the
+  // backward's dQ accumulator if `dq_clear` names one.
+  void forward(const DeviceAttentionInputs& in, const DeviceQuantizedAttention& quant,
+               const DeviceAttentionOutputs& out, const sm90::DqClear& dq_clear,
+               cudaStream_t stream) const;
 
   QuantizeOptions quantize_options() const {
     QuantizeOptions q;

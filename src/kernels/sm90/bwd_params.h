@@ -162,6 +162,7 @@ struct PreprocessParams {
   float* delta = nullptr;  // [Hq][T]
   int64_t tokens = 0;
   int heads_q = 0;
+  DqClear dq_clear;  // zeroed here unless marked zeroed (dq_clear.cuh)
 };
 void launch_preprocess(const PreprocessParams& p, cudaStream_t stream);
 
@@ -177,6 +178,7 @@ struct PostprocessParams {
   int heads_q = 0;
   float scale = 0.0f;
   bool quad_stores = false;  // dq and its strides allow 8-byte stores of four BF16 (else pairs)
+  int* dq_zeroed = nullptr;  // DqClear::zeroed, reset here (the accumulator's last reader)
 };
 void launch_postprocess(const PostprocessParams& p, cudaStream_t stream);
 

@@ -1,5 +1,5 @@
-// The backward's preprocess (D; the host clears the dQ accumulator beside it) and postprocess
-// (dQ to BF16).
+// The backward's preprocess (D, and the dQ accumulator's clear unless a forward did it) and
+// postprocess (dQ to BF16).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 #include "arch.cuh"
 #include "bwd_params.h"
 #include "check.h"
+#include "dq_clear.cuh"
 #include "flamia/formats.h"
 #include "fp8_convert.cuh"
 
@@ -55,6 +56,10 @@ __global__ void __launch_bounds__(kPreThreads)
 #pragma unroll
   for (int d = kLanesPerRow / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, d);
   if (active && part == 0) p.delta[int64_t(head) * p.tokens + token] = sum;
+  const DqClear& c = p.dq_clear;
+  if (*c.zeroed == 0)
+    zero_vectors(c.accum, c.vectors, int64_t(blockIdx.x) * kPreThreads + threadIdx.x,
+                 int64_t(gridDim.x) * kPreThreads);
 }
 
 // Postprocess: one CTA per (query head, dQ slot). The slot's float4s (coalesced 16-byte loads,
@@ -90,6 +95,8 @@ __global__ void __launch_bounds__(kPostThreads)
   }
   const int64_t begin = p.cu_seqlens[lo];
   const int length = int(p.cu_seqlens[lo + 1] - begin);
+  // This kernel reads the accumulator last: the next forward or preprocess zeroes it again.
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.dq_zeroed = 0;
   const int first_row = int(slot - dq_tile_slot(begin, lo, 0)) * kBlockM;
   if (first_row >= length) return;  // a slot between documents
   __shared__ alignas(16) float tile[kBlockM][kHeadDim + kTilePad];

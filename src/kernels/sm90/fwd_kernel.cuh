@@ -3,7 +3,8 @@
 //                        counter, TMA-loads each item's Q, then its K and V^T tiles (last first)
 //                        into two-stage rings, and stages Q's row factors and each tile's key
 //                        scale vectors (fwd_scales.cuh); the other three warps of the warpgroup
-//                        exit at once.
+//                        zero the backward's dQ accumulator if asked to (dq_clear.cuh), then
+//                        exit.
 //   warpgroups 1-3       consumers: 64 query rows each (mainloop_fwd.cuh).
 // Included by the two instantiation files (fwd_mxfp8.cu, fwd_qk16.cu) only.
 #pragma once
@@ -124,6 +125,15 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
   }
 }
 
+// The spare warps of the producer warpgroup zero the dQ accumulator, grid-strided, and mark it.
+__device__ __forceinline__ void clear_dq(const DqClear& c) {
+  const int64_t warp = int64_t(blockIdx.x) * kClearWarps + (warp_index() - 1);
+  zero_vectors(c.accum, c.vectors, warp * kWarpThreads + lane_index(),
+               int64_t(gridDim.x) * kClearWarps * kWarpThreads, c.pause_ns);
+  // The backward reads the mark only after this kernel has completed.
+  if (blockIdx.x == 0 && warp_index() == 1 && lane_index() == 0) *c.zeroed = 1;
+}
+
 // Dynamic shared memory is only 16 B aligned: allocate slack and align up.
 template <ScoreOperand kScore>
 constexpr size_t kSmemBytes = sizeof(SharedStorage<kScore>) + wgmma::kSw128AtomBytes;
@@ -144,7 +154,11 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
   const uint32_t warpgroup = warpgroup_index();
   if (warpgroup == uint32_t(Warpgroup::kProducer)) {
     setmaxnreg_dec<kProducerRegs>();
-    if (warp_index() == 0) producer<kScore>(p, sm);
+    if (warp_index() == 0) {
+      producer<kScore>(p, sm);
+    } else if (p.dq_clear.accum != nullptr) {
+      clear_dq(p.dq_clear);
+    }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     consumer_mainloop<kScore, kCausal>(p, sm, int(warpgroup - uint32_t(Warpgroup::kFirstConsumer)));

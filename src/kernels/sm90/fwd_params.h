@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "dq_clear.cuh"
 #include "scheduler.h"
 #include "wgmma.cuh"
 
@@ -19,6 +20,7 @@ constexpr int kConsumerWarpgroups = kBlockM / wgmma::kM;
 constexpr int kHeadDim = 128;  // the one head dimension instantiated
 constexpr int kStages = 2;     // depth of the K and V^T rings
 constexpr int kQStages = 2;    // depth of the Q ring (a work item's Q travels with it)
+constexpr uint32_t kClearWarps = kWarpgroupWarps - 1;  // the producer warpgroup's spare warps
 
 // The work list's geometry: tiles aligned to the document's end in warpgroup rows, so a partial
 // tile is a document's first (fewest keys) and every warpgroup's rows stay 64-aligned in the
@@ -63,6 +65,7 @@ struct Params {
   int64_t tokens = 0;
   int group = 1;            // query heads per key/value head
   float scale_log2 = 0.0f;  // softmax scale * log2(e)
+  DqClear dq_clear;  // zeroed by the producer warpgroup's spare warps (dq_clear.cuh); may be none
 };
 
 // Launches the persistent kernel (fwd_mxfp8.cu, fwd_qk16.cu) with `ctas` CTAs.
