@@ -83,7 +83,7 @@ __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
 
 // Half of the head dim per PV product: O_tile's half (32 registers) instead of all of it keeps a
 // consumer inside its 160 registers.
-constexpr int kPvHalves = 2;
+constexpr int kPvHalves = 1;
 constexpr int kPvHalfDim = kHeadDim / kPvHalves;
 constexpr int kPvHalfRegs = kAccRegs / kPvHalves;
 
