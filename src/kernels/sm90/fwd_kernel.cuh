@@ -24,10 +24,10 @@ constexpr uint32_t kThreads =
 constexpr uint32_t kConsumerWarps = uint32_t(kConsumerWarpgroups) * kWarpgroupWarps;
 static_assert(kConsumerWarpgroups * wgmma::kM == kBlockM, "each consumer owns 64 query rows");
 
-// Registers: the producer keeps loop state and one tile's exponent codes; a consumer holds O, S
-// (or half of O_tile: the PV product runs in two halves), the packed P~ and the row state, which
-// the budget below must cover. Three consumer warpgroups leave 160 each: three warps per
-// scheduler instead of two to hide the softmax's dependent chain.
+// Registers: the producer keeps loop state and one tile's exponent codes; a consumer holds O, S (or
+// O_tile, in its turn), the packed P~ and the row state, which the budget below must cover. Three
+// consumer warpgroups leave 160 each: three warps per scheduler instead of two to hide the
+// softmax's dependent chain.
 constexpr uint32_t kProducerRegs = 32;
 constexpr uint32_t kConsumerRegs =
     consumer_register_budget(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups);

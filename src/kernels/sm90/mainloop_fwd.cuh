@@ -81,22 +81,24 @@ __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
   wgmma::commit();
 }
 
-// Half of the head dim per PV product: O_tile's half (32 registers) instead of all of it keeps a
-// consumer inside its 160 registers.
-constexpr int kPvHalves = 1;
-constexpr int kPvHalfDim = kHeadDim / kPvHalves;
-constexpr int kPvHalfRegs = kAccRegs / kPvHalves;
+// The PV product in kPvParts slices of the head dim, each waited for before its O update. One
+// slice (all of O_tile, one wait per turn) measured 2 % faster on 1x65536 than two of 32 registers,
+// although ptxas -O1 then spills 4 local accesses per tile in the mxfp8 causal kernel
+// (docs/PERF.md, tenth session).
+constexpr int kPvParts = 1;
+constexpr int kPvPartDim = kHeadDim / kPvParts;
+constexpr int kPvPartRegs = kAccRegs / kPvParts;
 
-__device__ __forceinline__ void issue_value_product(float (&o_half)[kPvHalfRegs],
+__device__ __forceinline__ void issue_value_product(float (&o_part)[kPvPartRegs],
                                                     const uint32_t (&a)[kKSlices][kFragRegs],
-                                                    const uint8_t* vt, int half) {
-  // V^T rows are head dims of kBlockN key bytes: half h starts kPvHalfDim rows in.
-  const uint64_t desc_v = wgmma::make_desc_sw128(vt + half * kPvHalfDim * kBlockN);
-  wgmma::fence_operands(o_half);
+                                                    const uint8_t* vt, int part) {
+  // V^T rows are head dims of kBlockN key bytes: part j starts j kPvPartDim rows in.
+  const uint64_t desc_v = wgmma::make_desc_sw128(vt + part * kPvPartDim * kBlockN);
+  wgmma::fence_operands(o_part);
   wgmma::fence();
 #pragma unroll
   for (int k = 0; k < kKSlices; ++k)
-    wgmma::mma_e4m3_rs<kPvHalfDim>(o_half, a[k], wgmma::desc_advance(desc_v, k * wgmma::kKBytes),
+    wgmma::mma_e4m3_rs<kPvPartDim>(o_part, a[k], wgmma::desc_advance(desc_v, k * wgmma::kKBytes),
                                    k > 0);
   wgmma::commit();
 }
@@ -193,18 +195,18 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       }
       pack_a_fragments<kKSlices>(s, a);
     };
-    // PV of the tile whose P~ is in `a`, then O = O * rescale + O_tile, half the head dim at a
+    // PV of the tile whose P~ is in `a`, then O = O * rescale + O_tile, kPvPartDim columns at a
     // time.
     auto value_turn = [&]() {
 #pragma unroll
-      for (int half = 0; half < kPvHalves; ++half) {
-        float o_half[kPvHalfRegs];
-        issue_value_product(o_half, a, sm.vt[v_state.index], half);
-        wgmma::wait_all(o_half);
+      for (int part = 0; part < kPvParts; ++part) {
+        float o_part[kPvPartRegs];
+        issue_value_product(o_part, a, sm.vt[v_state.index], part);
+        wgmma::wait_all(o_part);
 #pragma unroll
-        for (int i = 0; i < kPvHalfRegs; ++i) {
-          float& oi = o[half * kPvHalfRegs + i];
-          oi = fmaf(oi, o_rescale[acc_row_half(i)], o_half[i]);
+        for (int i = 0; i < kPvPartRegs; ++i) {
+          float& oi = o[part * kPvPartRegs + i];
+          oi = fmaf(oi, o_rescale[acc_row_half(i)], o_part[i]);
         }
       }
       sm.v_pipe.warp_release(v_state);
