@@ -31,6 +31,11 @@ static_assert(kQuadsPerLane * kQuadStride == kHeadDim, "the row's lanes cover th
 // on every run.
 __global__ void __launch_bounds__(kPreThreads)
     preprocess_kernel(const __grid_constant__ PreprocessParams p) {
+  // The clear's stores first: they leave while the loads below are in flight.
+  const DqClear& c = p.dq_clear;
+  if (*c.zeroed == 0)
+    zero_vectors(c.accum, c.vectors, int64_t(blockIdx.x) * kPreThreads + threadIdx.x,
+                 int64_t(gridDim.x) * kPreThreads);
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanesPerRow;
   const int part = int(threadIdx.x % kLanesPerRow);
   const bool active = row < p.tokens * p.heads_q;
@@ -56,10 +61,6 @@ __global__ void __launch_bounds__(kPreThreads)
 #pragma unroll
   for (int d = kLanesPerRow / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, d);
   if (active && part == 0) p.delta[int64_t(head) * p.tokens + token] = sum;
-  const DqClear& c = p.dq_clear;
-  if (*c.zeroed == 0)
-    zero_vectors(c.accum, c.vectors, int64_t(blockIdx.x) * kPreThreads + threadIdx.x,
-                 int64_t(gridDim.x) * kPreThreads);
 }
 
 // Postprocess: one CTA per (query head, dQ slot). The slot's float4s (coalesced 16-byte loads,
