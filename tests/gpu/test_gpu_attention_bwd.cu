@@ -2,7 +2,8 @@
 // with the kernels' tiles (forward kGpuForwardTiles, backward kGpuBackwardTiles) and against FP64:
 // packed documents of 0..1000 tokens at unaligned offsets, GQA, causal and not, both recipes,
 // normal and heavy-tail inputs; then strided gradients with poisoned gaps, the deterministic
-// mode's reproducibility and prefix isolation, and argument checks.
+// mode's reproducibility and prefix isolation, repeated calls on one object (the dQ accumulator's
+// clear), and argument checks.
 //
 // Tolerance (derived; every test prints what it measured as "[measured]" lines):
 //   rel L2(G_gpu - G_emu) <= 0.5 rel L2(G_emu - G_fp64)   for G in dQ, dK, dV
