@@ -81,11 +81,12 @@ __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
   wgmma::commit();
 }
 
-// The PV product in kPvParts slices of the head dim, each waited for before its O update. One
-// slice (all of O_tile, one wait per turn) measured 2 % faster on 1x65536 than two of 32 registers,
-// although ptxas -O1 then spills 4 local accesses per tile in the mxfp8 causal kernel
-// (docs/PERF.md, tenth session).
-constexpr int kPvParts = 1;
+// The PV product in kPvParts slices of the head dim, each waited for before its O update. Two
+// slices of 32 registers keep a consumer inside its 160. One (all of O_tile, one wait per turn)
+// measured 1-2 % faster on 1x65536, but ptxas -O1 then spills 4 local accesses per tile in the
+// mxfp8 causal kernel (docs/PERF.md, items 34 and 68): the next candidate once two registers are
+// found.
+constexpr int kPvParts = 2;
 constexpr int kPvPartDim = kHeadDim / kPvParts;
 constexpr int kPvPartRegs = kAccRegs / kPvParts;
 
