@@ -29,9 +29,7 @@ static_assert(sm90::bwd::kHeadDim == kHeadDim, "one head dimension for both pass
   throw Error("GPU attention: " + what);
 }
 
-inline bool is_aligned(const void* p, size_t alignment) {
-  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
-}
+using cuda::is_aligned;
 
 inline void require_device_pointer(const void* p, size_t alignment, const std::string& name) {
   if (p == nullptr) reject(name + " is null");

@@ -6,6 +6,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "flamia/common.h"
@@ -30,6 +32,11 @@ inline void check(CUresult r, const char* expr, const char* file, int line) {
 // cuBLAS / cuBLASLt status (the benchmark's peer).
 inline void check(cublasStatus_t s, const char* expr, const char* file, int line) {
   if (s != CUBLAS_STATUS_SUCCESS) fail(expr, file, line, cublasLtGetStatusString(s));
+}
+
+// For the host's argument checks on device pointers.
+inline bool is_aligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
 }
 
 }  // namespace flamia::cuda

@@ -15,9 +15,7 @@ using sm90::quant::KernelArgs;
 using sm90::quant::kThreads;
 using sm90::quant::OperandArgs;
 
-bool is_aligned(const void* p, size_t alignment) {
-  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
-}
+using cuda::is_aligned;
 
 void require_output(const char* operand, const char* array, const void* p) {
   const std::string name = std::string(operand) + " output '" + array + "'";

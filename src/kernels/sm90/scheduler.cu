@@ -198,10 +198,6 @@ void validate_geometry(const ScheduleGeometry& g) {
                 " must be 0 or a positive divisor of block_m = " + std::to_string(g.block_m));
 }
 
-bool aligned(const void* p, size_t alignment) {
-  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
-}
-
 }  // namespace
 
 int64_t count_work_items(const PackedLayout& layout, const ScheduleGeometry& g) {
@@ -240,7 +236,7 @@ void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
     fail("num_items = " + std::to_string(a.num_items) + " is not a multiple of heads = " +
          std::to_string(a.heads) + " (count_work_items of the same layout and heads?)");
   if (a.counter == nullptr) fail("counter is null");
-  if (!aligned(a.counter, alignof(int)))
+  if (!cuda::is_aligned(a.counter, alignof(int)))
     fail("counter is not " + std::to_string(alignof(int)) + "-byte aligned");
   if (a.num_items == 0) {
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(a.counter, 0, sizeof(int), stream));
@@ -248,19 +244,20 @@ void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
   }
   if (a.num_docs == 0) fail("num_items = " + std::to_string(a.num_items) + " without documents");
   if (a.cu_seqlens == nullptr) fail("device cu_seqlens is null");
-  if (!aligned(a.cu_seqlens, alignof(int32_t))) fail("device cu_seqlens is not 4-byte aligned");
+  if (!cuda::is_aligned(a.cu_seqlens, alignof(int32_t)))
+    fail("device cu_seqlens is not 4-byte aligned");
   if (a.max_key_blocks <= 0 || a.max_key_blocks == INT_MAX)
     fail("max_key_blocks = " + std::to_string(a.max_key_blocks) +
          " must be in [1, INT_MAX) when there are items");
   if (a.items == nullptr) fail("items is null");
-  if (!aligned(a.items, kItemAlignment))
+  if (!cuda::is_aligned(a.items, kItemAlignment))
     fail("items is not " + std::to_string(kItemAlignment) + "-byte aligned");
   const bool in_shared = buckets_in_shared(a.max_key_blocks);
   if (!in_shared && a.workspace == nullptr)
     fail("workspace is null; max_key_blocks = " + std::to_string(a.max_key_blocks) + " needs " +
          std::to_string(bucket_workspace_bytes(a.max_key_blocks)) +
          " bytes (schedule_workspace_bytes)");
-  if (!in_shared && !aligned(a.workspace, alignof(int)))
+  if (!in_shared && !cuda::is_aligned(a.workspace, alignof(int)))
     fail("workspace is not " + std::to_string(alignof(int)) + "-byte aligned");
 
   Params p;
