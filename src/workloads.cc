@@ -5,6 +5,7 @@
 
 #include "flamia/common.h"
 #include "flamia/inputs.h"
+#include "flamia/packed.h"
 
 namespace flamia {
 namespace {
@@ -43,7 +44,7 @@ int64_t Workload::tokens() const {
 
 double Workload::visible_pairs() const {
   double p = 0;
-  for (int64_t d : docs) p += causal ? 0.5 * double(d) * double(d + 1) : double(d) * double(d);
+  for (int64_t d : docs) p += flamia::visible_pairs(d, causal);
   return p;
 }
 

@@ -29,6 +29,13 @@ struct PackedLayout {
   int32_t doc_length(int b) const { return cu_seqlens[b + 1] - cu_seqlens[b]; }
 };
 
+// Query-key pairs the mask leaves visible in a document of `length` tokens: L(L+1)/2 causal, L^2
+// otherwise.
+inline double visible_pairs(int64_t length, bool causal) {
+  const double n = double(length);
+  return causal ? 0.5 * n * (n + 1) : n * n;
+}
+
 // Throws flamia::Error naming the first violated rule: offsets start at 0, never decrease, stay
 // within int32, end at `tokens`; head counts positive with heads_q divisible by heads_kv; head_dim
 // one of kSupportedHeadDims. Zero-length and one-token documents are valid.
