@@ -81,26 +81,31 @@ __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
   wgmma::commit();
 }
 
-// The PV product in kPvParts slices of the head dim, each waited for before its O update. Two
-// slices of 32 registers keep a consumer inside its 160. One (all of O_tile, one wait per turn)
-// measured 1-2 % faster on 1x65536, but ptxas -O1 then spills 4 local accesses per tile in the
-// mxfp8 causal kernel (docs/PERF.md, items 34 and 68): the next candidate once two registers are
-// found.
-constexpr int kPvParts = 2;
-constexpr int kPvPartDim = kHeadDim / kPvParts;
-constexpr int kPvPartRegs = kAccRegs / kPvParts;
+// The PV product in PvSlices::kParts slices of the head dim, each waited for before its O update.
+// One slice (all of O_tile, one wait per turn) measured 1.3-1.5 % faster than two on 1x65536. The
+// mxfp8-qk16 kernels fit it in a consumer's 160 registers; ptxas -O1 spills 4 local accesses per
+// tile in the mxfp8 causal kernel with it, and issue 6 asks for none, so mxfp8 keeps two slices of
+// 32 registers (docs/PERF.md, items 34, 68, 77 and 85).
+template <ScoreOperand kScore>
+struct PvSlices {
+  static constexpr int kParts = kScore == ScoreOperand::kBf16 ? 1 : 2;
+  static constexpr int kDim = kHeadDim / kParts;
+  static constexpr int kRegs = kAccRegs / kParts;
+};
 
-__device__ __forceinline__ void issue_value_product(float (&o_part)[kPvPartRegs],
+template <ScoreOperand kScore>
+__device__ __forceinline__ void issue_value_product(float (&o_part)[PvSlices<kScore>::kRegs],
                                                     const uint32_t (&a)[kKSlices][kFragRegs],
                                                     const uint8_t* vt, int part) {
-  // V^T rows are head dims of kBlockN key bytes: part j starts j kPvPartDim rows in.
-  const uint64_t desc_v = wgmma::make_desc_sw128(vt + part * kPvPartDim * kBlockN);
+  using Pv = PvSlices<kScore>;
+  // V^T rows are head dims of kBlockN key bytes: part j starts j Pv::kDim rows in.
+  const uint64_t desc_v = wgmma::make_desc_sw128(vt + part * Pv::kDim * kBlockN);
   wgmma::fence_operands(o_part);
   wgmma::fence();
 #pragma unroll
   for (int k = 0; k < kKSlices; ++k)
-    wgmma::mma_e4m3_rs<kPvPartDim>(o_part, a[k], wgmma::desc_advance(desc_v, k * wgmma::kKBytes),
-                                   k > 0);
+    wgmma::mma_e4m3_rs<Pv::kDim>(o_part, a[k], wgmma::desc_advance(desc_v, k * wgmma::kKBytes),
+                                 k > 0);
   wgmma::commit();
 }
 
@@ -196,17 +201,18 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       }
       pack_a_fragments<kKSlices>(s, a);
     };
-    // PV of the tile whose P~ is in `a`, then O = O * rescale + O_tile, kPvPartDim columns at a
+    // PV of the tile whose P~ is in `a`, then O = O * rescale + O_tile, Pv::kDim columns at a
     // time.
+    using Pv = PvSlices<kScore>;
     auto value_turn = [&]() {
 #pragma unroll
-      for (int part = 0; part < kPvParts; ++part) {
-        float o_part[kPvPartRegs];
-        issue_value_product(o_part, a, sm.vt[v_state.index], part);
+      for (int part = 0; part < Pv::kParts; ++part) {
+        float o_part[Pv::kRegs];
+        issue_value_product<kScore>(o_part, a, sm.vt[v_state.index], part);
         wgmma::wait_all(o_part);
 #pragma unroll
-        for (int i = 0; i < kPvPartRegs; ++i) {
-          float& oi = o[part * kPvPartRegs + i];
+        for (int i = 0; i < Pv::kRegs; ++i) {
+          float& oi = o[part * Pv::kRegs + i];
           oi = fmaf(oi, o_rescale[acc_row_half(i)], o_part[i]);
         }
       }
