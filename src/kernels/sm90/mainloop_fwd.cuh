@@ -85,7 +85,8 @@ __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
 // One slice (all of O_tile, one wait per turn) measured 1.3-1.5 % faster than two on 1x65536. The
 // mxfp8-qk16 kernels fit it in a consumer's 160 registers; ptxas -O1 spills 4 local accesses per
 // tile in the mxfp8 causal kernel with it, and issue 6 asks for none, so mxfp8 keeps two slices of
-// 32 registers (docs/PERF.md, items 34, 68, 77 and 85).
+// 32 registers: packing its row state to make room cost what the single slice gained
+// (docs/PERF.md, items 34, 68, 77, 85 and 86).
 template <ScoreOperand kScore>
 struct PvSlices {
   static constexpr int kParts = kScore == ScoreOperand::kBf16 ? 1 : 2;
