@@ -36,6 +36,13 @@ inline double visible_pairs(int64_t length, bool causal) {
   return causal ? 0.5 * n * (n + 1) : n * n;
 }
 
+// FLOPs of an attention forward over `pairs` visible query-key pairs: a multiply-add per head
+// dimension in QK^T and one in PV, for each query head. (The benchmark counts the backward
+// as 2.5x.)
+inline double attention_forward_flops(double pairs, int head_dim, int heads_q) {
+  return 4.0 * pairs * head_dim * heads_q;
+}
+
 // Throws flamia::Error naming the first violated rule: offsets start at 0, never decrease, stay
 // within int32, end at `tokens`; head counts positive with heads_q divisible by heads_kv; head_dim
 // one of kSupportedHeadDims. Zero-length and one-token documents are valid.

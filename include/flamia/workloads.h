@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "flamia/packed.h"
+
 namespace flamia {
 
 struct Workload {
@@ -18,7 +20,9 @@ struct Workload {
   // Query-key pairs the mask leaves visible: sum L(L+1)/2 (causal) or sum L^2.
   double visible_pairs() const;
   // FLOPs counted on visible pairs only: forward 4 * pairs * d * heads_q, backward 2.5 x that.
-  double forward_flops() const { return 4.0 * visible_pairs() * head_dim * heads_q; }
+  double forward_flops() const {
+    return attention_forward_flops(visible_pairs(), head_dim, heads_q);
+  }
   double backward_flops() const { return 2.5 * forward_flops(); }
 };
 

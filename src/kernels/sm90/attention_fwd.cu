@@ -22,8 +22,7 @@ static_assert(kGpuForwardTiles.block_m == kBlockM && kGpuForwardTiles.block_n ==
 double forward_flops(const PackedLayout& pl, bool causal) {
   double pairs = 0;
   for (int d = 0; d < pl.num_docs; ++d) pairs += visible_pairs(pl.doc_length(d), causal);
-  constexpr double kFlopsPerPairAndDim = 4;  // a multiply-add in QK^T and one in PV
-  return kFlopsPerPairAndDim * pairs * pl.head_dim * pl.heads_q;
+  return attention_forward_flops(pairs, pl.head_dim, pl.heads_q);
 }
 
 // The forward's clear of the dQ accumulator is paced to end within about half of the kernel's
