@@ -17,6 +17,7 @@
 #include "bwd_params.h"
 #include "check.h"
 #include "flamia/packed.h"
+#include "fwd_params.h"
 #include "gpu_test.h"
 #include "scheduler.h"
 #include "sm90_test_util.h"
@@ -41,6 +42,12 @@ std::vector<ScheduleGeometry> forward_geometries() {
   for (bool causal : {true, false}) {
     for (int block_m : {128, 64}) all.push_back({block_m, 128, causal});
     all.push_back({192, 128, causal, 64});
+    // The forward's geometry with its locality order, and other bucket widths.
+    ScheduleGeometry forward = sm90::fwd::schedule_geometry(causal);
+    forward.cost_bits = sm90::fwd::kLocalityCostBits;
+    all.push_back(forward);
+    all.push_back({128, 128, causal, 0, 3});
+    all.push_back({64, 128, causal, 0, 1});
   }
   return all;
 }
@@ -48,7 +55,7 @@ std::vector<ScheduleGeometry> forward_geometries() {
 std::string describe(const ScheduleGeometry& g, int heads) {
   return "block_m " + std::to_string(g.block_m) + ", block_n " + std::to_string(g.block_n) +
          (g.causal ? ", causal" : ", non-causal") + ", row_unit " + std::to_string(g.row_unit) +
-         ", heads " + std::to_string(heads);
+         ", cost_bits " + std::to_string(g.cost_bits) + ", heads " + std::to_string(heads);
 }
 
 PackedLayout layout_of(const std::vector<int32_t>& cu, int heads) {
@@ -153,7 +160,17 @@ void check_schedule(const std::vector<int64_t>& lengths, int heads, const Schedu
     seen[flat] = true;
     if (i == 0) continue;
     const WorkItem& prev = got[size_t(i - 1)];
-    ASSERT_LE(w.key_blocks, prev.key_blocks) << where << ": not longest first";
+    // Longest first by bucket: key_blocks, or its leading cost_bits bits.
+    const auto bucket_of = [&](const WorkItem& x) {
+      int64_t b = x.key_blocks;
+      if (g.cost_bits > 0) {
+        int64_t unit = 1;
+        while (b / unit >= (int64_t(1) << g.cost_bits)) unit *= 2;
+        b = b / unit * unit;
+      }
+      return b;
+    };
+    ASSERT_LE(bucket_of(w), bucket_of(prev)) << where << ": not longest first";
     if (w.head > 0) {  // the tile's heads are adjacent and in order (K/V reuse in L2)
       ASSERT_TRUE(prev.doc == w.doc && prev.first_row == w.first_row && prev.head == w.head - 1)
           << where << " does not follow head " << w.head - 1 << " of its tile";
@@ -345,6 +362,25 @@ TEST(GpuSchedulerHost, RejectsBadArguments) {
         sm90::max_key_blocks(layout_of(one, 1), {128, 0, true});
       },
       "must be positive");
+  a = good;
+  a.geometry.cost_bits = -1;
+  expect_error(run(a), "cost_bits = -1");
+}
+
+// Cost buckets: the count itself, or its leading bits, longest first; the forward turns them on
+// only where the CTAs would otherwise each hold a different (document, head) pair.
+TEST(ScheduleLocality, CostBucketsAndWhenTheForwardUsesThem) {
+  const int expect_2_bits[] = {0, 1, 2, 3, 4, 4, 6, 6, 8, 8, 8, 8, 12, 12, 12, 12, 16};
+  for (int c = 0; c <= 16; ++c) {
+    EXPECT_EQ(sm90::cost_bucket(c, 0), c);
+    EXPECT_EQ(sm90::cost_bucket(c, 2), expect_2_bits[c]) << c;
+  }
+  EXPECT_EQ(sm90::cost_bucket(1000, 1), 512);
+  EXPECT_EQ(sm90::cost_bucket(1000, 3), 896);
+  EXPECT_EQ(sm90::fwd::locality_cost_bits(1 * 16, 132), 0);  // 1x65536
+  EXPECT_EQ(sm90::fwd::locality_cost_bits(2 * 16, 132), 0);  // 2x32768
+  EXPECT_EQ(sm90::fwd::locality_cost_bits(4 * 16, 132), sm90::fwd::kLocalityCostBits);
+  EXPECT_EQ(sm90::fwd::locality_cost_bits(16 * 16, 132), sm90::fwd::kLocalityCostBits);
 }
 
 // The backward's work list (host-built, bwd_params.h): every (document, key/value head, key block)

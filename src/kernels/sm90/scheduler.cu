@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
   int* buckets = kBucketsInShared ? shared_buckets : p.workspace_buckets;
   const int tid = int(threadIdx.x);
   const int lane = tid % kWarpThreads;
-  const unsigned lanes_below = (1u << lane) - 1u;
+  const unsigned lanes_above = ~((2u << lane) - 1u);  // 0 for lane 31 (2u << 31 wraps to 0)
 
   for (int64_t k = tid; k <= p.max_key_blocks; k += kThreads) buckets[k] = 0;
   // The persistent kernel runs after this one on the stream: no ordering beyond that is needed.
@@ -138,7 +138,8 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
   // A key outside [1, max_key_blocks] only arises from a device cu_seqlens unlike the host layout
   // the arguments were computed from: such tiles are dropped rather than written out of bounds.
   auto bucket_of = [&](int doc, int key) {
-    return doc >= 0 && key >= 1 && key <= p.max_key_blocks ? key : -1;
+    return doc >= 0 && key >= 1 && key <= p.max_key_blocks ? schedule_cost_bucket(key, p.geometry)
+                                                           : -1;
   };
 
   for_each_tile(p, s, [&](int doc, int, int key) {
@@ -179,7 +180,9 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
     if (bucket >= 0 && lane == leader) base = atomicAdd(&buckets[bucket], __popc(peers) * p.heads);
     base = __shfl_sync(kFullWarp, base, leader);
     if (bucket < 0) return;
-    const int64_t first = int64_t(base) + int64_t(__popc(peers & lanes_below)) * p.heads;
+    // Lanes hold a document's tiles in ascending order, so the lanes above come first: a
+    // bucket's tiles stay longest first within the warp.
+    const int64_t first = int64_t(base) + int64_t(__popc(peers & lanes_above)) * p.heads;
     if (first < 0 || first + p.heads > p.num_items) return;
     for (int h = 0; h < p.heads; ++h) p.items[first + h] = make_int4(doc, first_row, h, key);
   });
@@ -193,6 +196,9 @@ void validate_geometry(const ScheduleGeometry& g) {
   if (g.block_m <= 0 || g.block_n <= 0)
     throw Error("schedule geometry: block_m = " + std::to_string(g.block_m) +
                 " and block_n = " + std::to_string(g.block_n) + " must be positive");
+  if (g.cost_bits < 0 || g.cost_bits > 30)
+    throw Error("schedule geometry: cost_bits = " + std::to_string(g.cost_bits) +
+                " must be in [0, 30]");
   if (g.row_unit < 0 || (g.row_unit > 0 && g.block_m % g.row_unit != 0))
     throw Error("schedule geometry: row_unit = " + std::to_string(g.row_unit) +
                 " must be 0 or a positive divisor of block_m = " + std::to_string(g.block_m));

@@ -8,9 +8,10 @@
 // warpgroups; 4096 tokens leave one warpgroup's rows for a partial tile). An item's cost is its
 // number of visible key blocks. build_schedule writes the items sorted by that cost, longest first
 // (LPT), so persistent CTAs that take items in order through an atomic counter finish close
-// together. Within one cost the `heads` items of a query tile are adjacent and in head order (the
-// heads of a GQA group then share K/V in L2); the order of tiles of equal cost may differ from call
-// to call.
+// together; with ScheduleGeometry::cost_bits, by cost buckets (schedule_cost_bucket), inside which
+// the tiles of one document that one warp of the builder walked are adjacent, longest first. The
+// `heads` items of a query tile are adjacent and in head order (the heads of a GQA group then share
+// K/V in L2); the order of tiles in one bucket may differ from call to call.
 //
 // Plain C++: usable from .cc files; the inline helpers also compile as device code under nvcc.
 #pragma once
@@ -37,7 +38,24 @@ struct ScheduleGeometry {
   int block_m = 128, block_n = 128;
   bool causal = true;
   int row_unit = 0;  // 0: tiles start at the document's first row; else a divisor of block_m
+  // 0: items sort by key_blocks; else by key_blocks cut to this many leading bits.
+  int cost_bits = 0;
 };
+
+// The sort bucket of an item of `key_blocks` visible key blocks: the count itself, or with
+// cost_bits its leading cost_bits bits (2 bits: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, ...). A
+// wide bucket holds several consecutive tiles of each document, adjacent in the list, so that the
+// CTAs running at one time share the documents' K/V in L2; buckets stay narrow where items are
+// short, at the list's end, where the longest-first order evens out the CTAs' finishing times.
+FLAMIA_HD int32_t cost_bucket(int32_t cost, int bits) {
+  if (bits <= 0) return cost;
+  int shift = 0;
+  while ((cost >> shift) >= (1 << bits)) ++shift;
+  return cost >> shift << shift;
+}
+FLAMIA_HD int32_t schedule_cost_bucket(int32_t key_blocks, const ScheduleGeometry& g) {
+  return cost_bucket(key_blocks, g.cost_bits);
+}
 
 // Rows of query tile 0 before the document (0 without row_unit): block_m minus the document's
 // length rounded up to row_unit, modulo block_m.
