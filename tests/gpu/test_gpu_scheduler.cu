@@ -392,8 +392,9 @@ void check_backward_work_list(const std::vector<int64_t>& lengths, int heads_kv,
   const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
   const PackedLayout layout{cu.data(), int(lengths.size()), int64_t(cu.back()), heads_kv, heads_kv,
                             128};
+  constexpr int kCtas = 5;
   const std::vector<sm90::bwd::WorkItem> items =
-      sm90::bwd::backward_work_list(layout, causal, deterministic);
+      sm90::bwd::backward_work_list(layout, causal, deterministic, kCtas);
   std::vector<std::vector<int>> last_block(lengths.size(), std::vector<int>(heads_kv, -1));
   size_t expected = 0;
   for (int64_t l : lengths)
@@ -410,6 +411,11 @@ void check_backward_work_list(const std::vector<int64_t>& lengths, int heads_kv,
     EXPECT_EQ(it.key_block, last + 1) << "document " << it.doc << ", head " << it.kv_head;
     last = it.key_block;
   }
+  // The last kTailWaves waves of the CTAs, or all of a deterministic list, longest first.
+  const size_t tail =
+      deterministic ? items.size() : std::min(items.size(), size_t(sm90::bwd::kTailWaves * kCtas));
+  for (size_t i = items.size() - tail + 1; i < items.size(); ++i)
+    EXPECT_GE(items[i - 1].query_tiles, items[i].query_tiles) << "item " << i;
 }
 
 TEST(BackwardWorkList, EveryKeyBlockOnceInAscendingOrderPerDocumentAndHead) {

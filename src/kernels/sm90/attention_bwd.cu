@@ -12,7 +12,7 @@ namespace flamia {
 namespace sm90::bwd {
 
 std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal,
-                                         bool deterministic) {
+                                         bool deterministic, int ctas) {
   std::vector<WorkItem> items;
   for (int doc = 0; doc < layout.num_docs; ++doc) {
     const int length = int(layout.doc_length(doc));
@@ -38,6 +38,13 @@ std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal
   std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
     return doc_tiles(a) > doc_tiles(b);
   });
+  // Each (document, head) starts with its longest item, so in that order the last group's
+  // longest would start among the last few and end alone. The tail, longest first, still holds
+  // only a few groups' items; stable, so a group's key blocks stay in ascending order.
+  const size_t tail = std::min(items.size(), size_t(kTailWaves) * size_t(std::max(ctas, 1)));
+  std::stable_sort(
+      items.end() - std::ptrdiff_t(tail), items.end(),
+      [](const WorkItem& a, const WorkItem& b) { return a.query_tiles > b.query_tiles; });
   return items;
 }
 
@@ -114,8 +121,8 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
 
   if (!m.backward) {
     auto b = std::make_unique<BackwardState>();
-    const std::vector<sm90::bwd::WorkItem> items =
-        sm90::bwd::backward_work_list(pl, m.options.attention.causal, m.options.deterministic);
+    const std::vector<sm90::bwd::WorkItem> items = sm90::bwd::backward_work_list(
+        pl, m.options.attention.causal, m.options.deterministic, multiprocessors());
     if (items.size() > size_t(INT32_MAX)) reject("too many backward work items");
     b->num_items = int(items.size());
     b->ctas = std::min(b->num_items, multiprocessors());
