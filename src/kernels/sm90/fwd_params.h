@@ -34,7 +34,7 @@ constexpr ScheduleGeometry schedule_geometry(bool causal) {
 // in L2; with more than ctas / kSharedTilesPerPair pairs (four or more 16-head documents on 132
 // CTAs) each would hold its own, so items sort by two leading bits of their cost, which keeps a
 // pair's consecutive tiles together. Measured (docs/PERF.md, item 88): forward 8x8192 -6 % (mxfp8)
-// and -8 % (mxfp8-qk16), 4x16384 -1.5 / -3 %; on 1x65536 the coarse order was 1-2 % slower.
+// and -5 % (mxfp8-qk16), 4x16384 -2 / -3.5 %; on 1x65536 and 2x32768 the coarse order was slower.
 constexpr int kLocalityCostBits = 2;
 constexpr int64_t kSharedTilesPerPair = 4;
 constexpr int locality_cost_bits(int64_t doc_head_pairs, int ctas) {
