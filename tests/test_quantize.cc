@@ -541,6 +541,28 @@ TEST(Quantize, ForwardOnlyCanSkipTransposedCopies) {
   EXPECT_TRUE(quantize_cpu(b.inputs(), opt).q.codes_t.empty());
 }
 
+// mxfp8-qk16's quantization: Q and K without their score-product codes, everything else as usual.
+TEST(Quantize, WithoutScoreCodesQAndKKeepTheirTransposedCopiesAndExponents) {
+  AttentionBatch b = generate_batch({1, 31, 33, 100}, 4, 2, 64, InputSpec{});
+  const QuantizedAttention all = quantize_cpu(b.inputs(), QuantizeOptions{});
+  QuantizeOptions opt;
+  opt.score_codes = false;
+  const QuantizedAttention some = quantize_cpu(b.inputs(), opt);
+  for (const auto& [got, want] :
+       {std::make_pair(&some.q, &all.q), std::make_pair(&some.k, &all.k)}) {
+    EXPECT_TRUE(got->codes.empty());
+    EXPECT_FALSE(want->codes.empty());
+    EXPECT_EQ(got->codes_t, want->codes_t);
+    EXPECT_EQ(got->exponents, want->exponents);
+  }
+  for (const auto& [got, want] :
+       {std::make_pair(&some.v, &all.v), std::make_pair(&some.dout, &all.dout)}) {
+    EXPECT_EQ(got->codes, want->codes);
+    EXPECT_EQ(got->codes_t, want->codes_t);
+    EXPECT_EQ(got->exponents, want->exponents);
+  }
+}
+
 class QuantizeNvfp4 : public ::testing::TestWithParam<std::tuple<bool, int>> {};
 
 TEST_P(QuantizeNvfp4, ScalesAreMinimalAndCodesNearest) {

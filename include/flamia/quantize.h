@@ -129,7 +129,7 @@ struct QuantLayout {
 
 struct E4M3Operand {
   QuantLayout layout;
-  std::vector<uint8_t> codes;
+  std::vector<uint8_t> codes;    // empty for Q and K without QuantizeOptions::score_codes
   std::vector<uint8_t> codes_t;  // empty unless QuantizeOptions::transposed
   std::vector<uint8_t> exponents;
   std::vector<uint8_t> channel_exponents;  // vgroup16's V only
@@ -180,7 +180,10 @@ struct QuantizeOptions {
   ScalePolicy policy = ScalePolicy::kToken;
   bool hadamard = false;   // rotate Q and K along the head dim before quantizing
   bool transposed = true;  // write codes_t (the backward's and PV's K-major copies)
-  bool nvfp4_qk = false;   // also write NVFP4 Q and K
+  // Write Q's and K's codes, the score product's operand. mxfp8-qk16 turns them off: its score
+  // products read the BF16 inputs and its backward reads Q's and K's codes_t only.
+  bool score_codes = true;
+  bool nvfp4_qk = false;  // also write NVFP4 Q and K
 };
 
 // BF16 inputs (raw bits). An operand whose data is null is skipped (see quantize_cpu): the

@@ -435,6 +435,12 @@ TEST(GpuQuantize, HostConvenienceForwardOnlyAndNoTransposedCopies) {
   const QuantizedAttention no_t = run_gpu(b, opt, Arrangement::kDense, false);
   EXPECT_TRUE(no_t.q.codes_t.empty());
   expect_same(quantize_cpu(forward_only(b), opt), no_t);
+  opt.transposed = true;  // mxfp8-qk16's: no score-product codes for Q and K
+  opt.score_codes = false;
+  const QuantizedAttention no_score = run_gpu(b, opt, Arrangement::kDense, false);
+  EXPECT_TRUE(no_score.q.codes.empty() && no_score.k.codes.empty());
+  EXPECT_FALSE(no_score.q.codes_t.empty() || no_score.v.codes.empty());
+  expect_same(quantize_cpu(forward_only(b), opt), no_score);
 }
 
 TEST(GpuQuantize, EmptyAndOneTokenInputs) {

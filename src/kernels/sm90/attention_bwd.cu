@@ -85,8 +85,10 @@ void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool qk16, bool ca
   }
 }
 
-void require_codes(const DeviceE4M3Operand& op, const std::string& name) {
-  require_device_pointer(op.codes, kDeviceAlignment, name + " codes");
+// `codes`: whether the kernels read the operand's codes (not Q's and K's for mxfp8-qk16, whose
+// score products read the BF16 inputs).
+void require_codes(const DeviceE4M3Operand& op, const std::string& name, bool codes = true) {
+  if (codes) require_device_pointer(op.codes, kDeviceAlignment, name + " codes");
   require_device_pointer(op.codes_t, kDeviceAlignment, name + " codes_t");
   require_device_pointer(op.exponents, 1, name + " exponents");
 }
@@ -105,8 +107,8 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     reject("the backward with Hadamard rotation is not built (dQ and dK would need rotating back)");
   const bool qk16 = m.options.recipe == Recipe::kMxfp8Qk16;
   if (qk16) require_bf16_score_operands(in, pl);
-  require_codes(quant.q, "Q");
-  require_codes(quant.k, "K");
+  require_codes(quant.q, "Q", !qk16);
+  require_codes(quant.k, "K", !qk16);
   require_codes(quant.dout, "dO");
   require_device_pointer(quant.v.codes, kDeviceAlignment, "V codes");
   require_device_pointer(quant.v.exponents, 1, "V exponents");

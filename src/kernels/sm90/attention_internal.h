@@ -166,6 +166,7 @@ struct GpuAttention::Impl {
     q.policy = options.policy;
     q.hadamard = options.hadamard;
     q.transposed = true;
+    q.score_codes = options.recipe != Recipe::kMxfp8Qk16;
     return q;
   }
 };

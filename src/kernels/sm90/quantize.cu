@@ -110,7 +110,8 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     o.heads = j.heads;
     o.policy = policy;
     o.rotate = options.hadamard && (j.id == Operand::kQ || j.id == Operand::kK);
-    o.codes = j.dst->codes;
+    const bool codes = options.score_codes || (j.id != Operand::kQ && j.id != Operand::kK);
+    o.codes = codes ? j.dst->codes : nullptr;
     o.codes_t = options.transposed ? j.dst->codes_t : nullptr;
     o.exponents = j.dst->exponents;
     o.channel_exponents = policy == ScalePolicy::kVGroup16 ? j.dst->channel_exponents : nullptr;
@@ -127,7 +128,7 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
       continue;
     }
     require_vector_input(j.name, j.view);
-    require_output(j.name, "codes", o.codes);
+    if (codes) require_output(j.name, "codes", o.codes);
     require_output(j.name, "exponents", o.exponents);
     if (options.transposed) require_output(j.name, "codes_t", o.codes_t);
     if (policy == ScalePolicy::kVGroup16)

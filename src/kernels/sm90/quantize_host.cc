@@ -12,9 +12,9 @@
 namespace flamia {
 namespace cuda {
 
-QuantizeOutputs::E4M3 QuantizeOutputs::make_e4m3(const QuantLayout& l, bool transposed,
+QuantizeOutputs::E4M3 QuantizeOutputs::make_e4m3(const QuantLayout& l, bool codes, bool transposed,
                                                  bool channel) {
-  return {l, DeviceBuffer(size_t(l.num_codes())),
+  return {l, DeviceBuffer(codes ? size_t(l.num_codes()) : 0),
           DeviceBuffer(transposed ? size_t(l.num_codes_t()) : 0),
           DeviceBuffer(size_t(l.num_exponents())),
           DeviceBuffer(channel ? size_t(l.num_codes()) : 0)};
@@ -32,10 +32,10 @@ QuantizeOutputs::QuantizeOutputs(const PackedLayout& pl, const QuantizeOptions& 
   const QuantLayout lq = QuantLayout::make(pl.tokens, pl.heads_q, pl.head_dim, pl.num_docs);
   const QuantLayout lkv = QuantLayout::make(pl.tokens, pl.heads_kv, pl.head_dim, pl.num_docs);
   const bool tr = options.transposed;
-  q_ = make_e4m3(lq, tr, false);
-  k_ = make_e4m3(lkv, tr, false);
-  v_ = make_e4m3(lkv, tr, options.policy == ScalePolicy::kVGroup16);
-  dout_ = make_e4m3(backward ? lq : QuantLayout{}, tr, false);
+  q_ = make_e4m3(lq, options.score_codes, tr, false);
+  k_ = make_e4m3(lkv, options.score_codes, tr, false);
+  v_ = make_e4m3(lkv, true, tr, options.policy == ScalePolicy::kVGroup16);
+  dout_ = make_e4m3(backward ? lq : QuantLayout{}, true, tr, false);
   q4_ = make_nvfp4(nvfp4_ ? lq : QuantLayout{});
   k4_ = make_nvfp4(nvfp4_ ? lkv : QuantLayout{});
   status_ = DeviceBuffer(kNumOperands * sizeof(int64_t));

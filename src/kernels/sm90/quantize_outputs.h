@@ -30,7 +30,7 @@ class QuantizeOutputs {
     QuantLayout layout;
     DeviceBuffer packed, local_scales, exponents;
   };
-  static E4M3 make_e4m3(const QuantLayout& l, bool transposed, bool channel);
+  static E4M3 make_e4m3(const QuantLayout& l, bool codes, bool transposed, bool channel);
   static Nvfp4 make_nvfp4(const QuantLayout& l);
   std::vector<const DeviceBuffer*> arrays() const;
 

@@ -61,7 +61,7 @@ struct OperandArgs {
   int heads = 0;
   ScalePolicy policy = ScalePolicy::kToken;  // the operand's effective policy
   bool rotate = false;
-  uint8_t* codes = nullptr;
+  uint8_t* codes = nullptr;    // null: none (QuantizeOptions::score_codes off for Q, K)
   uint8_t* codes_t = nullptr;  // null: no transposed copy
   uint8_t* exponents = nullptr;
   uint8_t* channel_exponents = nullptr;
@@ -495,7 +495,7 @@ __device__ __forceinline__ void emit_pass(const OperandArgs& op, Smem<kDim>& sm,
                                           __fmul_rn(x[r][k + 2], s), __fmul_rn(x[r][k + 3], s));
       }
     }
-    if (valid)
+    if (valid && op.codes != nullptr)
       *reinterpret_cast<uint2*>(op.codes + (int64_t(t) * op.heads + h) * kDim + c * kChunkElems) =
           make_uint2(codes[r][0], codes[r][1]);
     if (op.nv_packed != nullptr) nvfp4_chunk<kDim>(op, nv[r], x[r], t, h, c, valid);
