@@ -42,6 +42,13 @@ __device__ __forceinline__ int listed_query(int quad, int n) {
 
 // Two 16-bit scale keys per word (e4m3_scale_key16), reduced with per-halfword maxima.
 constexpr uint32_t kKeyMask = (1u << kE4m3ScaleKeyBits) - 1;
+__device__ __forceinline__ uint32_t scale_key_pair(float amax_lo, float amax_hi) {
+  return e4m3_scale_key16(amax_lo) | e4m3_scale_key16(amax_hi) << kE4m3ScaleKeyBits;
+}
+// The unclamped scale field of the key in half `half` (0: low) of a pair.
+__device__ __forceinline__ uint32_t scale_field_of_pair(uint32_t keys, int half) {
+  return e4m3_scale_field_of_key16((keys >> (half * kE4m3ScaleKeyBits)) & kKeyMask);
+}
 __device__ __forceinline__ uint32_t quad_max_u16x2(uint32_t keys) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
   keys = __vmaxu2(keys, __shfl_xor_sync(kFull, keys, 1));
@@ -139,13 +146,10 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   float amax[kKeyRows] = {0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < kTileRegs; ++i) amax[key_half(i)] = fmaxf(amax[key_half(i)], fabsf(dp[i]));
-  uint32_t keys = e4m3_scale_key16(amax[0]) | e4m3_scale_key16(amax[1]) << kE4m3ScaleKeyBits;
-  keys = quad_max_u16x2(keys);
+  const uint32_t keys = quad_max_u16x2(scale_key_pair(amax[0], amax[1]));
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r) {
-    const uint32_t field =
-        max(e4m3_scale_field_of_key16((keys >> (r * kE4m3ScaleKeyBits)) & kKeyMask),
-            e4m3_scale::kMinField);
+    const uint32_t field = max(scale_field_of_pair(keys, r), e4m3_scale::kMinField);
     ops.ds_unit[r] = exp2i(scale_exponent_up_e4m3_of_field(field));
     amax[r] = inverse_scale_e4m3_of_field(field);  // now the inverse unit
   }
@@ -221,16 +225,14 @@ __device__ __forceinline__ void publish_query_max(int* row_max, float (&query_ma
   uint32_t w[kThreadQueries / 2];
 #pragma unroll
   for (int k = 0; k < kThreadQueries / 2; ++k)
-    w[k] = e4m3_scale_key16(query_max[2 * k]) | e4m3_scale_key16(query_max[2 * k + 1])
-                                                    << kE4m3ScaleKeyBits;
+    w[k] = scale_key_pair(query_max[2 * k], query_max[2 * k + 1]);
   int first = 0;  // the listed query of w[0]'s low half
   butterfly_max_round<4, 4>(w, lane, first);
   butterfly_max_round<3, 2>(w, lane, first);
   butterfly_max_round<2, 1>(w, lane, first);
   // The buffers start at kMinField (kRowMaxFloor): the unclamped fields suffice.
-  atomicMax(&row_max[listed_query(quad, first)], int(e4m3_scale_field_of_key16(w[0] & kKeyMask)));
-  atomicMax(&row_max[listed_query(quad, first + 1)],
-            int(e4m3_scale_field_of_key16(w[0] >> kE4m3ScaleKeyBits)));
+  atomicMax(&row_max[listed_query(quad, first)], int(scale_field_of_pair(w[0], 0)));
+  atomicMax(&row_max[listed_query(quad, first + 1)], int(scale_field_of_pair(w[0], 1)));
 }
 
 }  // namespace flamia::sm90::bwd
