@@ -157,10 +157,10 @@ struct TrainingRun {
   int64_t dq_stride = 0, kv_stride = 0;  // token strides of the gradients (elements)
 };
 
-// Gradients with token strides wider than dense, so every token row has a gap: dK and dV one head,
-// dQ `dq_gap` elements (a multiple of 4 lets the postprocess store four BF16 at a time, 2 only
-// pairs).
-TrainingRun strided_run(const AttentionBatch& b, int64_t dq_gap = kDim) {
+// Gradients with token strides wider than dense, so every token row has a gap of `gap` elements:
+// a multiple of 4 lets the postprocess store dQ four BF16 at a time and one of 8 the main kernel
+// dK and dV 16 bytes at a time (bf16_rows.cuh); 2 leaves both to pairs.
+TrainingRun strided_run(const AttentionBatch& b, int64_t gap = kDim) {
   TrainingRun r;
   r.layout = b.layout();
   const PackedLayout& pl = r.layout;
@@ -171,8 +171,8 @@ TrainingRun strided_run(const AttentionBatch& b, int64_t dq_gap = kDim) {
   r.g = DeviceBuffer::upload(b.dout);
   r.o = DeviceBuffer(size_t(pl.tokens) * pl.heads_q * kDim * sizeof(uint16_t));
   r.lse = DeviceBuffer(size_t(pl.tokens) * pl.heads_q * sizeof(float));
-  r.dq_stride = int64_t(pl.heads_q) * kDim + dq_gap;
-  r.kv_stride = int64_t(pl.heads_kv + 1) * kDim;
+  r.dq_stride = int64_t(pl.heads_q) * kDim + gap;
+  r.kv_stride = int64_t(pl.heads_kv) * kDim + gap;
   r.dq = DeviceBuffer(size_t(pl.tokens) * r.dq_stride * sizeof(uint16_t));
   r.dk = DeviceBuffer(size_t(pl.tokens) * r.kv_stride * sizeof(uint16_t));
   r.dv = DeviceBuffer(size_t(pl.tokens) * r.kv_stride * sizeof(uint16_t));
@@ -208,7 +208,8 @@ void run_training(GpuAttention& attention, TrainingRun& r) {
 constexpr uint8_t kPoison = 0xA5;
 
 // The strided gradients equal the dense ones of training_gpu_to_host in deterministic mode, and
-// the gap after every token row keeps the poison; dQ with either postprocess store width.
+// the gap after every token row keeps the poison; with either store width of dQ (postprocess) and
+// of dK and dV (main kernel).
 TEST(GpuAttentionBwdBuffers, StridedGradientsLeaveGapsUntouched) {
   FLAMIA_REQUIRE_GPU();
   BwdCase c{"strided", kOddDocs, 4, 2};
@@ -216,10 +217,10 @@ TEST(GpuAttentionBwdBuffers, StridedGradientsLeaveGapsUntouched) {
   GpuAttentionOptions options = gpu_options(c);
   options.deterministic = true;
   const AttentionOutputs<float> dense = training_gpu_to_host(b, options);
-  constexpr int64_t kQuadGap = kDim, kPairGap = 2;
-  for (const int64_t dq_gap : {kQuadGap, kPairGap}) {
-    SCOPED_TRACE("dQ gap " + std::to_string(dq_gap));
-    TrainingRun r = strided_run(b, dq_gap);
+  constexpr int64_t kWideGap = kDim, kPairGap = 2;
+  for (const int64_t gap : {kWideGap, kPairGap}) {
+    SCOPED_TRACE("gap " + std::to_string(gap));
+    TrainingRun r = strided_run(b, gap);
     for (DeviceBuffer* buf : {&r.dq, &r.dk, &r.dv})
       FLAMIA_CUDA_CHECK(cudaMemset(buf->get(), kPoison, buf->bytes()));
     GpuAttention attention(r.layout, options);

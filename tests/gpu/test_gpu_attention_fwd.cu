@@ -419,8 +419,10 @@ constexpr uint16_t kPoisonO = 0xFFFF;         // a BF16 NaN
 constexpr uint32_t kPoisonLse = 0x7FC0DEADu;  // a float NaN with a payload
 constexpr int64_t kPadHead = 64;              // elements between heads of a strided O (128 B)
 constexpr int64_t kPadToken = 72;             // ... after each token row (144 B)
-constexpr int64_t kExtraTokens = 3;           // rows after the last token
-constexpr int64_t kLseTail = 64;              // floats after [Hq][T]
+constexpr int64_t kPadHeadPair = 2;           // strides aligned to BF16 pairs only
+constexpr int64_t kPadTokenPair = 6;
+constexpr int64_t kExtraTokens = 3;  // rows after the last token
+constexpr int64_t kLseTail = 64;     // floats after [Hq][T]
 
 float lse_poison() {
   float f;
@@ -575,13 +577,18 @@ TEST_P(GpuAttentionFwdOutputs, PoisonStridesEntryPointsAndDeterminism) {
   std::cout << "[measured] " << attention.work_items() << " work items, " << attention.ctas()
             << " CTAs" << std::endl;
 
-  // The BF16 entry, twice: poison intact, equal to the dense run, deterministic.
-  for (int call = 0; call < 2; ++call) {
-    const DeviceOutputs out(layout, kPadHead, kPadToken);
+  // The BF16 entry, twice: O with 16-byte aligned strides, then with strides aligned to BF16 pairs
+  // only; poison intact, equal to the dense run, deterministic.
+  struct Pads {
+    int64_t head, token;
+  };
+  for (const Pads pads : {Pads{kPadHead, kPadToken}, Pads{kPadHeadPair, kPadTokenPair}}) {
+    const DeviceOutputs out(layout, pads.head, pads.token);
     attention.forward(in.in, out.out, stream);
     FLAMIA_CUDA_CHECK(cudaStreamSynchronize(stream));
     EXPECT_FALSE(attention.quantizer_status().any());
-    const DenseOutputs got = check_and_gather(out, "BF16 entry, call " + std::to_string(call));
+    const DenseOutputs got =
+        check_and_gather(out, "BF16 entry, O head pad " + std::to_string(pads.head));
     const size_t at = first_mismatch(got.o, dense);
     EXPECT_EQ(at, size_t(-1)) << "strided O differs from the dense run at flat index " << at;
     EXPECT_TRUE(same_bits(got.lse, dense_lse)) << "LSE differs from the dense run";

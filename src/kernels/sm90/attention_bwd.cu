@@ -206,6 +206,8 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   p.dk_stride_head = grads.dk.stride_head;
   p.dv_stride_token = grads.dv.stride_token;
   p.dv_stride_head = grads.dv.stride_head;
+  p.wide_stores = sm90::wide_bf16_rows(p.dk, p.dk_stride_token, p.dk_stride_head) &&
+                  sm90::wide_bf16_rows(p.dv, p.dv_stride_token, p.dv_stride_head);
   p.tokens = pl.tokens;
   p.heads_q = pl.heads_q;
   p.group = pl.group();

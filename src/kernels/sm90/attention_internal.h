@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "bf16_rows.cuh"
 #include "bwd_params.h"
 #include "check.h"
 #include "device_buffer.h"

@@ -132,6 +132,7 @@ struct Params {
   uint16_t* dv = nullptr;
   int64_t dk_stride_token = 0, dk_stride_head = 0;
   int64_t dv_stride_token = 0, dv_stride_head = 0;
+  bool wide_stores = false;  // dK and dV take 16-byte stores (bf16_rows.cuh)
   int64_t tokens = 0;
   int heads_q = 0;
   int group = 1;                              // query heads per key/value head

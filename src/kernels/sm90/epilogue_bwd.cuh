@@ -3,8 +3,7 @@
 // item's keys stored once as BF16, only for keys inside the document.
 #pragma once
 
-#include <cuda_bf16.h>
-
+#include "bf16_rows.cuh"
 #include "named_barrier.cuh"
 #include "proxy_fence.cuh"
 #include "softmax_bwd.cuh"
@@ -114,7 +113,10 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   if (t == 0) atomicAdd(turn, 1);
 }
 
-// dK = scale * acc, dV = acc for the warpgroup's keys key0.. (rows of the accumulators).
+// dK = scale * acc, dV = acc for the warpgroup's keys key0.. (rows of the accumulators). Where the
+// views allow (Params::wide_stores), 16 bytes a lane after quad transposes (bf16_rows.cuh), else
+// BF16 pairs. The pairs took 8.5 k cycles an item (docs/PERF.md, item 80); the 16-byte stores took
+// 3-4 % off the backward on 16x4096 (item 91).
 __device__ __forceinline__ void store_key_gradients(const Params& p,
                                                     const float (&dk)[2][kTileRegs],
                                                     const float (&dv)[2][kTileRegs], int64_t begin,
@@ -123,20 +125,40 @@ __device__ __forceinline__ void store_key_gradients(const Params& p,
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r) {
     const int key = key0 + wgmma::acc_row(t, 2 * r);
-    if (key >= length) continue;
+    if (key >= length) continue;  // the quad's key: its lanes skip it together
     const int64_t token = begin + key;
+    // The thread's first column, 2 quad (a pair's; a transposed group's is 8 quad).
     uint16_t* dk_row = p.dk + token * p.dk_stride_token + kv_head * p.dk_stride_head + 2 * quad;
     uint16_t* dv_row = p.dv + token * p.dv_stride_token + kv_head * p.dv_stride_head + 2 * quad;
+    if (p.wide_stores) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
+      for (int half = 0; half < 2; ++half)
 #pragma unroll
-      for (int g = 0; g < kColGroups; ++g) {
-        const int i = 4 * g + 2 * r, d = half * (kHeadDim / 2) + 8 * g;
-        *reinterpret_cast<__nv_bfloat162*>(dk_row + d) =
-            __floats2bfloat162_rn(dk[half][i] * p.scale, dk[half][i + 1] * p.scale);
-        *reinterpret_cast<__nv_bfloat162*>(dv_row + d) =
-            __floats2bfloat162_rn(dv[half][i], dv[half][i + 1]);
-      }
+        for (int k = 0; k < kColGroups / kQuadLanes; ++k) {
+          uint32_t k_words[kQuadLanes], v_words[kQuadLanes];
+#pragma unroll
+          for (int j = 0; j < kQuadLanes; ++j) {
+            const int i = 4 * (kQuadLanes * k + j) + 2 * r;
+            k_words[j] = bf16x2_bits(dk[half][i] * p.scale, dk[half][i + 1] * p.scale);
+            v_words[j] = bf16x2_bits(dv[half][i], dv[half][i + 1]);
+          }
+          // Lane q stores group q of the span, its 8 columns: 8 q on (the row pointer is 2 q on).
+          const int d = half * (kHeadDim / 2) + kQuadSpanElems * k + (kWideStoreElems - 2) * quad;
+          *reinterpret_cast<uint4*>(dk_row + d) = quad_transpose(k_words);
+          *reinterpret_cast<uint4*>(dv_row + d) = quad_transpose(v_words);
+        }
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int g = 0; g < kColGroups; ++g) {
+          const int i = 4 * g + 2 * r, d = half * (kHeadDim / 2) + 8 * g;
+          *reinterpret_cast<__nv_bfloat162*>(dk_row + d) =
+              __floats2bfloat162_rn(dk[half][i] * p.scale, dk[half][i + 1] * p.scale);
+          *reinterpret_cast<__nv_bfloat162*>(dv_row + d) =
+              __floats2bfloat162_rn(dv[half][i], dv[half][i + 1]);
+        }
+    }
   }
 }
 
