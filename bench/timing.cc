@@ -39,7 +39,7 @@ std::vector<cudaGraphExec_t> capture(const std::function<void(int)>& enqueue, cu
 }  // namespace
 
 Timing time_reps(const std::function<void(int)>& enqueue, cudaStream_t stream, int warmup, int reps,
-                 int sets, bool use_graphs) {
+                 int sets, bool use_graphs, double warmup_ms) {
   std::vector<cudaGraphExec_t> graphs;
   if (use_graphs) graphs = capture(enqueue, stream, sets);
   auto run = [&](int rep) {
@@ -49,7 +49,24 @@ Timing time_reps(const std::function<void(int)>& enqueue, cudaStream_t stream, i
       FLAMIA_CUDA_CHECK(cudaGraphLaunch(graphs[size_t(rep % sets)], stream));
     }
   };
-  for (int i = 0; i < warmup; ++i) run(i);
+  int rep = 0;
+  for (; rep < warmup; ++rep) run(rep);
+  if (warmup_ms > 0) {
+    // One call at a time, each waited for (a host round trip of idle GPU per call is nothing
+    // against the chip's heat), until the elapsed GPU time reaches warmup_ms.
+    cudaEvent_t begin, end;
+    FLAMIA_CUDA_CHECK(cudaEventCreate(&begin));
+    FLAMIA_CUDA_CHECK(cudaEventCreate(&end));
+    FLAMIA_CUDA_CHECK(cudaEventRecord(begin, stream));
+    for (float elapsed = 0; elapsed < warmup_ms; ++rep) {
+      run(rep);
+      FLAMIA_CUDA_CHECK(cudaEventRecord(end, stream));
+      FLAMIA_CUDA_CHECK(cudaEventSynchronize(end));
+      FLAMIA_CUDA_CHECK(cudaEventElapsedTime(&elapsed, begin, end));
+    }
+    FLAMIA_CUDA_CHECK(cudaEventDestroy(begin));
+    FLAMIA_CUDA_CHECK(cudaEventDestroy(end));
+  }
   std::vector<cudaEvent_t> start(reps), stop(reps);
   for (int i = 0; i < reps; ++i) {
     FLAMIA_CUDA_CHECK(cudaEventCreate(&start[i]));
@@ -57,7 +74,7 @@ Timing time_reps(const std::function<void(int)>& enqueue, cudaStream_t stream, i
   }
   for (int i = 0; i < reps; ++i) {
     FLAMIA_CUDA_CHECK(cudaEventRecord(start[i], stream));
-    run(warmup + i);
+    run(rep + i);
     FLAMIA_CUDA_CHECK(cudaEventRecord(stop[i], stream));
   }
   FLAMIA_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -16,8 +16,11 @@ struct Timing {
 
 // `enqueue(rep)` enqueues one call on `stream`; rep selects the input set. With `use_graphs`, the
 // call of each of `sets` input sets is captured once into a CUDA graph and replayed, which removes
-// launch gaps between the call's kernels; if capture fails the calls run directly.
+// launch gaps between the call's kernels; if capture fails the calls run directly. The warm-up is
+// `warmup` calls, then more until `warmup_ms` of GPU time have passed: at its power cap the GPU's
+// clock falls as the chip heats, so a stage timed right after idle time or a lighter stage reads
+// faster than it runs sustained (docs/PERF.md, item 93).
 Timing time_reps(const std::function<void(int rep)>& enqueue, cudaStream_t stream, int warmup,
-                 int reps, int sets = 1, bool use_graphs = false);
+                 int reps, int sets = 1, bool use_graphs = false, double warmup_ms = 0);
 
 }  // namespace flamia::bench

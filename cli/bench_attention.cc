@@ -35,6 +35,9 @@ using bench::CudnnSdpa;
 using cuda::DeviceBuffer;
 
 constexpr int kMinReps = 20;
+// A stage's warm-up time: the H200 at its power cap settles its clock within ~0.1-0.5 s of
+// sustained load (docs/PERF.md, item 93).
+constexpr double kDefaultWarmupMs = 500;
 constexpr int kInputSets = 2;         // input sets rotated between reps
 constexpr double kMaxPaddedGiB = 64;  // a padded peer layout larger than this is not attempted
 constexpr float kProbabilityScale = 256.0f;  // cuDNN FP8: P in [0, 1] scaled into E4M3's range
@@ -82,6 +85,7 @@ struct WorkloadResult {
 
 struct Options {
   int reps = 30, warmup = 5;
+  double warmup_ms = kDefaultWarmupMs;  // each stage's warm-up lasts at least this long
   bool graphs = true;
   bool deterministic = false;              // also time the backward with deterministic dQ
   bool peer_bf16 = true, peer_fp8 = true;  // cuDNN peers timed (--peers)
@@ -345,7 +349,8 @@ class Runner {
  private:
   bench::Timing time(const std::function<void(int)>& enqueue, int sets = kInputSets,
                      bool graphs = true) {
-    return bench::time_reps(enqueue, stream_, opt_.warmup, opt_.reps, sets, opt_.graphs && graphs);
+    return bench::time_reps(enqueue, stream_, opt_.warmup, opt_.reps, sets, opt_.graphs && graphs,
+                            opt_.warmup_ms);
   }
 
   void add(WorkloadResult& r, const std::string& impl, const std::string& stage,
@@ -740,6 +745,9 @@ int bench_attention(int argc, char** argv, int first) {
        {"non-causal", "", "custom workload: no causal mask", true},
        {"reps", "30", "timed reps per stage (at least 20)"},
        {"warmup", "5", "untimed calls before the reps"},
+       {"warmup-ms", std::to_string(int(kDefaultWarmupMs)),
+        "and more untimed calls until this many ms of GPU time: every stage is timed at the "
+        "GPU's sustained clock, whatever ran before it (0: the calls of --warmup only)"},
        {"no-graphs", "", "launch directly instead of replaying CUDA graphs", true},
        {"recipes", "mxfp8,mxfp8-qk16",
         "flamia recipes to time (those the kernels implement: mxfp8, mxfp8-qk16), or none"},
@@ -761,6 +769,8 @@ int bench_attention(int argc, char** argv, int first) {
   Options opt;
   opt.reps = int(args.integer("reps"));
   opt.warmup = int(args.integer("warmup"));
+  opt.warmup_ms = double(args.integer("warmup-ms"));
+  if (opt.warmup_ms < 0) throw Error("--warmup-ms must not be negative");
   opt.graphs = !args.flag("no-graphs");
   opt.deterministic = args.flag("deterministic");
   if (args.str("peers") != "all") {
@@ -833,9 +843,10 @@ int bench_attention(int argc, char** argv, int first) {
   FLAMIA_CUDA_CHECK(cudaStreamDestroy(stream));
 
   Table summary = summary_table(results, opt), stages = stage_table(results);
-  const std::string header = dev.name + ", cuDNN " + bench::cudnn_version() + ", " +
-                             std::to_string(opt.reps) + " reps after " +
-                             std::to_string(opt.warmup) + " warm-ups, seed " + std::to_string(seed);
+  const std::string header =
+      dev.name + ", cuDNN " + bench::cudnn_version() + ", " + std::to_string(opt.reps) +
+      " reps after " + std::to_string(opt.warmup) + " warm-ups and at least " +
+      std::to_string(int(opt.warmup_ms)) + " ms of them, seed " + std::to_string(seed);
   summary.notes.insert(summary.notes.begin(), header);
   if (!args.str("csv").empty()) {
     std::ofstream f(args.str("csv"));
