@@ -35,8 +35,9 @@ using bench::CudnnSdpa;
 using cuda::DeviceBuffer;
 
 constexpr int kMinReps = 20;
-// A stage's warm-up time: the H200 at its power cap settles its clock within ~0.1-0.5 s of
-// sustained load (docs/PERF.md, item 93).
+// A stage's warm-up time: after a host-side pause the H200's board power climbs back to its cap
+// over ~0.5-1 s of load, at boost clock meanwhile; stages timed after 500 ms read within 1-3 % of
+// those after 2000 (docs/PERF.md, item 93).
 constexpr double kDefaultWarmupMs = 500;
 constexpr int kInputSets = 2;         // input sets rotated between reps
 constexpr double kMaxPaddedGiB = 64;  // a padded peer layout larger than this is not attempted
