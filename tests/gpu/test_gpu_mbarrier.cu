@@ -1,5 +1,6 @@
 // mbarrier primitives: phase parity of try_wait, transaction counts, and the multi-stage
-// full/empty pipeline carried through many passes over its ring.
+// full/empty pipeline carried through many passes over its ring, filled by bulk copies and by
+// ordinary shared stores.
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -136,6 +137,58 @@ TEST(GpuMbarrier, PipelineRoundTripAcrossManyPhases) {
   pipeline_kernel<<<1, (1 + kConsumerWarps) * sm90::kWarpThreads>>>(d_src.get(), dst.get());
   test::sync_checked();
   EXPECT_EQ(dst.download(), src);
+}
+
+// The attention kernels' other handoff: the producer warp's 32 lanes store a stage's words with
+// ordinary shared stores, each lane then arriving on the full barrier (its arrival releases its
+// stores); the consumer warps read after the wait and release the stage through one lane after a
+// __syncwarp. Word w of chunk i is a function of (i, w), so a read that overtook the stores (or a
+// store that overtook the previous chunk's reads) shows as a wrong word.
+constexpr uint32_t kWordsPerStage = 256;
+constexpr int kWordChunks = 200;
+
+__device__ __forceinline__ uint32_t chunk_word(int chunk, uint32_t word) {
+  return uint32_t(chunk) * 0x9E3779B9u ^ (word * 0x85EBCA6Bu + 1u);
+}
+
+struct GenericSmem {
+  uint32_t stage[kStages][kWordsPerStage];
+  sm90::Pipeline<kStages> pipe;
+};
+
+__global__ void generic_handoff_kernel(int* wrong) {
+  __shared__ GenericSmem s;
+  if (threadIdx.x == 0) s.pipe.init(sm90::kWarpThreads, kConsumerWarps);
+  __syncthreads();
+  const uint32_t warp = sm90::warp_index(), lane = sm90::lane_index();
+  sm90::PipelineState<kStages> st;
+  if (warp == 0) {
+    for (int i = 0; i < kWordChunks; ++i) {
+      s.pipe.producer_acquire(st);
+      for (uint32_t w = lane; w < kWordsPerStage; w += sm90::kWarpThreads)
+        s.stage[st.index][w] = chunk_word(i, w);
+      sm90::mbarrier_arrive(s.pipe.full_barrier(st));
+      st.advance();
+    }
+  } else {
+    int bad = 0;
+    for (int i = 0; i < kWordChunks; ++i) {
+      s.pipe.consumer_wait(st);
+      for (uint32_t w = lane; w < kWordsPerStage; w += sm90::kWarpThreads)
+        bad += s.stage[st.index][w] != chunk_word(i, w);
+      s.pipe.warp_release(st);
+      st.advance();
+    }
+    atomicAdd(wrong, bad);
+  }
+}
+
+TEST(GpuMbarrier, GenericStoresHandOffThroughThePipeline) {
+  FLAMIA_REQUIRE_GPU();
+  DeviceBuffer<int> wrong(std::vector<int>{0});
+  generic_handoff_kernel<<<1, (1 + kConsumerWarps) * sm90::kWarpThreads>>>(wrong.get());
+  test::sync_checked();
+  EXPECT_EQ(wrong.download()[0], 0);
 }
 
 }  // namespace
