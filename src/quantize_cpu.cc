@@ -322,8 +322,7 @@ QuantizedAttention quantize_cpu(const AttentionInputs& in, const QuantizeOptions
         quantize_e4m3(reader, pl, operand_heads(pl, op), effective_policy(options.policy, op),
                       options.transposed, &out.non_finite.first_index[int(op)]);
     out.non_finite.layouts[int(op)] = dst[int(op)]->layout;
-    if (!options.score_codes && (op == Operand::kQ || op == Operand::kK))
-      dst[int(op)]->codes.clear();  // codes_t was derived from them above
+    if (!writes_codes(options, op)) dst[int(op)]->codes.clear();  // codes_t came from them above
   }
   if (options.nvfp4_qk && present[int(Operand::kQ)])
     out.q4 = quantize_nvfp4(RowReader{in.q, pl.head_dim, options.hadamard}, pl, pl.heads_q);

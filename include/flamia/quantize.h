@@ -181,10 +181,16 @@ struct QuantizeOptions {
   bool hadamard = false;   // rotate Q and K along the head dim before quantizing
   bool transposed = true;  // write codes_t (the backward's and PV's K-major copies)
   // Write Q's and K's codes, the score product's operand. mxfp8-qk16 turns them off: its score
-  // products read the BF16 inputs and its backward reads Q's and K's codes_t only.
+  // products read the BF16 inputs and its backward reads Q's and K's codes_t only
+  // (writes_codes).
   bool score_codes = true;
   bool nvfp4_qk = false;  // also write NVFP4 Q and K
 };
+
+// Whether the quantizers write `op`'s codes: always but for Q and K without score_codes.
+inline bool writes_codes(const QuantizeOptions& options, Operand op) {
+  return options.score_codes || (op != Operand::kQ && op != Operand::kK);
+}
 
 // BF16 inputs (raw bits). An operand whose data is null is skipped (see quantize_cpu): the
 // forward passes no dO, the training call's backward passes dO alone (Q, K, V were quantized by

@@ -206,8 +206,8 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   p.dk_stride_head = grads.dk.stride_head;
   p.dv_stride_token = grads.dv.stride_token;
   p.dv_stride_head = grads.dv.stride_head;
-  p.wide_stores = sm90::wide_bf16_rows(p.dk, p.dk_stride_token, p.dk_stride_head) &&
-                  sm90::wide_bf16_rows(p.dv, p.dv_stride_token, p.dv_stride_head);
+  p.wide_stores = bf16_stores_of(grads.dk, sm90::kWideStoreElems) &&
+                  bf16_stores_of(grads.dv, sm90::kWideStoreElems);
   p.tokens = pl.tokens;
   p.heads_q = pl.heads_q;
   p.group = pl.group();
@@ -231,8 +231,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   post.scale = p.scale;
   post.dq_zeroed = b.dq_zeroed.get<int>();
   constexpr int kQuad = 4;  // BF16 elements of one 8-byte store
-  post.quad_stores = is_aligned(post.dq, kQuad * sizeof(uint16_t)) &&
-                     post.dq_stride_token % kQuad == 0 && post.dq_stride_head % kQuad == 0;
+  post.quad_stores = bf16_stores_of(grads.dq, kQuad);
   sm90::bwd::launch_postprocess(post, stream);
 }
 

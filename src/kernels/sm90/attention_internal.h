@@ -32,6 +32,12 @@ static_assert(sm90::bwd::kHeadDim == kHeadDim, "one head dimension for both pass
 
 using cuda::is_aligned;
 
+// Whether a BF16 view's base and strides allow stores of `elems` elements at a time.
+inline bool bf16_stores_of(const TokenTensor<uint16_t>& v, int elems) {
+  return is_aligned(v.data, size_t(elems) * sizeof(uint16_t)) && v.stride_token % elems == 0 &&
+         v.stride_head % elems == 0;
+}
+
 inline void require_device_pointer(const void* p, size_t alignment, const std::string& name) {
   if (p == nullptr) reject(name + " is null");
   if (!is_aligned(p, alignment))

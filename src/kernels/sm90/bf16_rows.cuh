@@ -12,16 +12,8 @@
 namespace flamia::sm90 {
 
 constexpr int kQuadLanes = 4;
-constexpr int kWideStoreElems = 8;  // BF16 elements per 16-byte store
-constexpr int kWideStoreBytes = kWideStoreElems * 2;
+constexpr int kWideStoreElems = 8;                            // BF16 elements per 16-byte store
 constexpr int kQuadSpanElems = kQuadLanes * kWideStoreElems;  // one transpose's 4 groups
-
-// Whether a BF16 view's rows take the 16-byte stores: base and strides (in elements) 16-byte
-// aligned.
-inline bool wide_bf16_rows(const void* base, int64_t stride_token, int64_t stride_head) {
-  return reinterpret_cast<uintptr_t>(base) % kWideStoreBytes == 0 &&
-         stride_token % kWideStoreElems == 0 && stride_head % kWideStoreElems == 0;
-}
 
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -110,7 +110,7 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     o.heads = j.heads;
     o.policy = policy;
     o.rotate = options.hadamard && (j.id == Operand::kQ || j.id == Operand::kK);
-    const bool codes = options.score_codes || (j.id != Operand::kQ && j.id != Operand::kK);
+    const bool codes = writes_codes(options, j.id);
     o.codes = codes ? j.dst->codes : nullptr;
     o.codes_t = options.transposed ? j.dst->codes_t : nullptr;
     o.exponents = j.dst->exponents;

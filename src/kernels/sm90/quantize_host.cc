@@ -32,10 +32,11 @@ QuantizeOutputs::QuantizeOutputs(const PackedLayout& pl, const QuantizeOptions& 
   const QuantLayout lq = QuantLayout::make(pl.tokens, pl.heads_q, pl.head_dim, pl.num_docs);
   const QuantLayout lkv = QuantLayout::make(pl.tokens, pl.heads_kv, pl.head_dim, pl.num_docs);
   const bool tr = options.transposed;
-  q_ = make_e4m3(lq, options.score_codes, tr, false);
-  k_ = make_e4m3(lkv, options.score_codes, tr, false);
-  v_ = make_e4m3(lkv, true, tr, options.policy == ScalePolicy::kVGroup16);
-  dout_ = make_e4m3(backward ? lq : QuantLayout{}, true, tr, false);
+  q_ = make_e4m3(lq, writes_codes(options, Operand::kQ), tr, false);
+  k_ = make_e4m3(lkv, writes_codes(options, Operand::kK), tr, false);
+  v_ = make_e4m3(lkv, writes_codes(options, Operand::kV), tr,
+                 options.policy == ScalePolicy::kVGroup16);
+  dout_ = make_e4m3(backward ? lq : QuantLayout{}, writes_codes(options, Operand::kDO), tr, false);
   q4_ = make_nvfp4(nvfp4_ ? lq : QuantLayout{});
   k4_ = make_nvfp4(nvfp4_ ? lkv : QuantLayout{});
   status_ = DeviceBuffer(kNumOperands * sizeof(int64_t));
