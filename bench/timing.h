@@ -23,4 +23,9 @@ struct Timing {
 Timing time_reps(const std::function<void(int rep)>& enqueue, cudaStream_t stream, int warmup,
                  int reps, int sets = 1, bool use_graphs = false, double warmup_ms = 0);
 
+// The benches' default warm-up time: after a host-side pause the H200's board power climbs back
+// to its cap over ~0.5-1 s of load, at boost clock meanwhile; stages timed after 500 ms read
+// within 1-3 % of those after 2000 (docs/PERF.md, item 93).
+constexpr double kSustainedWarmupMs = 500;
+
 }  // namespace flamia::bench

@@ -35,10 +35,6 @@ using bench::CudnnSdpa;
 using cuda::DeviceBuffer;
 
 constexpr int kMinReps = 20;
-// A stage's warm-up time: after a host-side pause the H200's board power climbs back to its cap
-// over ~0.5-1 s of load, at boost clock meanwhile; stages timed after 500 ms read within 1-3 % of
-// those after 2000 (docs/PERF.md, item 93).
-constexpr double kDefaultWarmupMs = 500;
 constexpr int kInputSets = 2;         // input sets rotated between reps
 constexpr double kMaxPaddedGiB = 64;  // a padded peer layout larger than this is not attempted
 constexpr float kProbabilityScale = 256.0f;  // cuDNN FP8: P in [0, 1] scaled into E4M3's range
@@ -86,7 +82,7 @@ struct WorkloadResult {
 
 struct Options {
   int reps = 30, warmup = 5;
-  double warmup_ms = kDefaultWarmupMs;  // each stage's warm-up lasts at least this long
+  double warmup_ms = bench::kSustainedWarmupMs;  // each stage's warm-up lasts at least this long
   bool graphs = true;
   bool deterministic = false;              // also time the backward with deterministic dQ
   bool peer_bf16 = true, peer_fp8 = true;  // cuDNN peers timed (--peers)
@@ -746,7 +742,7 @@ int bench_attention(int argc, char** argv, int first) {
        {"non-causal", "", "custom workload: no causal mask", true},
        {"reps", "30", "timed reps per stage (at least 20)"},
        {"warmup", "5", "untimed calls before the reps"},
-       {"warmup-ms", std::to_string(int(kDefaultWarmupMs)),
+       {"warmup-ms", std::to_string(int(bench::kSustainedWarmupMs)),
         "and more untimed calls until this many ms of GPU time: every stage is timed at the "
         "GPU's sustained clock, whatever ran before it (0: the calls of --warmup only)"},
        {"no-graphs", "", "launch directly instead of replaying CUDA graphs", true},

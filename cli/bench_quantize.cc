@@ -58,6 +58,9 @@ int bench_quantize(int argc, char** argv, int first) {
              {"backward", "", "quantize dO too", true},
              {"reps", "50", "timed reps (at least 20)"},
              {"warmup", "5", "untimed launches before the reps"},
+             {"warmup-ms", std::to_string(int(bench::kSustainedWarmupMs)),
+              "and more untimed launches until this many ms of GPU time, for the quantizer and "
+              "for the copy: both are timed at the GPU's sustained clock (0: --warmup only)"},
              {"sets", "3", "input buffer sets rotated between reps (at least 2)"},
              {"seed", "", "input seed (default: drawn from the clock, so inputs are fresh)"},
              {"json", "", "print the table as JSON", true},
@@ -75,6 +78,8 @@ int bench_quantize(int argc, char** argv, int first) {
   const int64_t docs = args.integer("docs");
   const int reps = int(args.integer("reps")), warmup = int(args.integer("warmup"));
   const int sets = int(args.integer("sets"));
+  const double warmup_ms = double(args.integer("warmup-ms"));
+  if (warmup_ms < 0) throw Error("--warmup-ms must not be negative");
   const bool backward = args.flag("backward");
   if (reps < kMinReps) throw Error("--reps must be at least " + std::to_string(kMinReps));
   if (warmup < 1) throw Error("--warmup must be at least 1");
@@ -119,7 +124,7 @@ int bench_quantize(int argc, char** argv, int first) {
   const cuda::QuantizeOutputs out(layout, opt, backward);
   const bench::Timing t_quant =
       bench::time_reps([&](int set) { quantize_gpu(views[size_t(set)], opt, out.view(), stream); },
-                       stream, warmup, reps, sets);
+                       stream, warmup, reps, sets, /*use_graphs=*/false, warmup_ms);
   const NonFiniteReport status = out.non_finite();  // the last rep's
   inputs.clear();
 
@@ -131,7 +136,7 @@ int bench_quantize(int argc, char** argv, int first) {
         FLAMIA_CUDA_CHECK(cudaMemcpyAsync(copy_dst.get(), copy_src.get(), kCopyBytes,
                                           cudaMemcpyDeviceToDevice, stream));
       },
-      stream, warmup, reps);
+      stream, warmup, reps, /*sets=*/1, /*use_graphs=*/false, warmup_ms);
   FLAMIA_CUDA_CHECK(cudaStreamDestroy(stream));
 
   const int64_t input_elems = q_elems * (backward ? 2 : 1) + 2 * kv_elems;
@@ -159,8 +164,9 @@ int bench_quantize(int argc, char** argv, int first) {
                         fmt(written / kGiga, 3) +
                         " GB written (codes, codes_t, exponents and every other output array)");
   table.notes.push_back("copy bytes: read + written; median of " + std::to_string(reps) +
-                        " reps after " + std::to_string(warmup) +
-                        " warm-ups, one CUDA event pair per rep; inputs rotated over " +
+                        " reps after " + std::to_string(warmup) + " warm-ups and at least " +
+                        std::to_string(int(warmup_ms)) +
+                        " ms of them, one CUDA event pair per rep; inputs rotated over " +
                         std::to_string(sets) + " buffer sets, seed " + std::to_string(seed));
   if (opt.policy == ScalePolicy::kTensor)
     table.notes.push_back(
