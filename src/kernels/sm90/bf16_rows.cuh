@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace flamia::sm90 {
 
@@ -15,9 +16,12 @@ constexpr int kQuadLanes = 4;
 constexpr int kWideStoreElems = 8;                            // BF16 elements per 16-byte store
 constexpr int kQuadSpanElems = kQuadLanes * kWideStoreElems;  // one transpose's 4 groups
 
+// Two floats rounded to BF16, `lo` in the low half, as one word (also the dQ postprocess's).
 __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
+  uint32_t bits;
+  memcpy(&bits, &v, sizeof(bits));
+  return bits;
 }
 
 // Lane q of a quad holds w[j], its 2 columns of group j (j < 4); returns the quad's 4 words of

@@ -1,11 +1,9 @@
 // The backward's preprocess (D, and the dQ accumulator's clear unless a forward did it) and
 // postprocess (dQ to BF16).
-#include <cuda_bf16.h>
-
 #include <algorithm>
-#include <cstring>
 
 #include "arch.cuh"
+#include "bf16_rows.cuh"
 #include "bwd_params.h"
 #include "check.h"
 #include "dq_clear.cuh"
@@ -71,11 +69,6 @@ __global__ void __launch_bounds__(kPreThreads)
 constexpr int kPostThreads = 256;
 constexpr int kSlotQuads = kDqSlotFloats / 4;
 constexpr int kRowQuads = kHeadDim / 4;  // float4s per row
-__device__ __forceinline__ uint32_t bf16x2_bits(__nv_bfloat162 v) {
-  uint32_t bits;
-  memcpy(&bits, &v, sizeof(bits));
-  return bits;
-}
 
 // Padding: a warp's float2 stores into the tile cover rows r .. r + 7 at the same columns, which
 // without it would fall in four banks.
@@ -115,14 +108,14 @@ __global__ void __launch_bounds__(kPostThreads)
     const int r = first_row + row;
     if (r >= length) break;  // rows only grow with e
     const float4 v = *reinterpret_cast<const float4*>(&tile[row][col]);
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * p.scale, v.y * p.scale);
-    const __nv_bfloat162 hi = __floats2bfloat162_rn(v.z * p.scale, v.w * p.scale);
+    const uint32_t lo = bf16x2_bits(v.x * p.scale, v.y * p.scale);
+    const uint32_t hi = bf16x2_bits(v.z * p.scale, v.w * p.scale);
     uint16_t* out = p.dq + (begin + r) * p.dq_stride_token + head * p.dq_stride_head + col;
     if (p.quad_stores) {
-      *reinterpret_cast<uint2*>(out) = make_uint2(bf16x2_bits(lo), bf16x2_bits(hi));
+      *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
     } else {
-      reinterpret_cast<__nv_bfloat162*>(out)[0] = lo;
-      reinterpret_cast<__nv_bfloat162*>(out)[1] = hi;
+      reinterpret_cast<uint32_t*>(out)[0] = lo;
+      reinterpret_cast<uint32_t*>(out)[1] = hi;
     }
   }
 }
