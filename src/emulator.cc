@@ -100,6 +100,7 @@ TaskOperands Problem::operands(int doc, int head_q, bool backward) const {
   } else {
     ops.v = rows_from_e4m3(quant->v, head_kv, begin, n);
     ops.fold_v = quant->v.channel_exponents.empty();
+    ops.tile_v = ops.fold_v;
   }
   if (!backward) return ops;
 

@@ -32,6 +32,9 @@ struct TaskOperands {
   ScaledRows v;        // O = P V and dP = dO V^T
   ScaledRows g;        // dO: dP and dV = P^T dO
   bool fold_v = true;  // false when V has per-channel scales (vgroup16): dequantized in place
+  // E4M3 V with one exponent per token: fully visible key tiles read its tile codes
+  // (codes_t_tiles, flamia/quantize.h) and fold one exponent per tile.
+  bool tile_v = false;
 };
 
 // Everything the stages need to build TaskOperands for any (document, head).

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <sstream>
 
@@ -302,6 +303,37 @@ Nvfp4Operand quantize_nvfp4(const RowReader& reader, const PackedLayout& pl, int
 
 }  // namespace
 
+uint8_t tile_code(uint8_t code, int shift) {
+  return e4m3::encode(e4m3::decode(code) * exp2i(shift));
+}
+
+std::vector<uint8_t> make_tile_codes(const E4M3Operand& v, const PackedLayout& pl) {
+  const QuantLayout& l = v.layout;
+  std::vector<uint8_t> out(v.codes_t.size(), 0);  // positions without a token stay 0
+  for (int b = 0; b < pl.num_docs; ++b) {
+    const int64_t begin = pl.doc_begin(b), pos = transposed_doc_begin(begin, b);
+    const int length = pl.doc_length(b);
+    for (int n0 = 0; n0 < length; n0 += kValueTileTokens) {
+      const int keys = std::min(kValueTileTokens, length - n0);
+      for (int h = 0; h < l.heads; ++h) {
+        int tile_max = INT_MIN;
+        for (int j = 0; j < keys; ++j)
+          tile_max =
+              std::max(tile_max, ue8m0::exponent(v.exponents[l.exponent(h, begin + n0 + j)]));
+        for (int j = 0; j < keys; ++j) {
+          const int shift =
+              tile_shift(ue8m0::exponent(v.exponents[l.exponent(h, begin + n0 + j)]), tile_max);
+          for (int d = 0; d < l.dim; ++d) {
+            const int64_t at = l.code_t(h, d, pos + transposed_slot(n0 + j));
+            out[size_t(at)] = tile_code(v.codes_t[size_t(at)], shift);
+          }
+        }
+      }
+    }
+  }
+  return out;
+}
+
 QuantizedAttention quantize_cpu(const AttentionInputs& in, const QuantizeOptions& options) {
   const PackedLayout& pl = in.layout;
   validate(pl);
@@ -322,6 +354,8 @@ QuantizedAttention quantize_cpu(const AttentionInputs& in, const QuantizeOptions
         quantize_e4m3(reader, pl, operand_heads(pl, op), effective_policy(options.policy, op),
                       options.transposed, &out.non_finite.first_index[int(op)]);
     out.non_finite.layouts[int(op)] = dst[int(op)]->layout;
+    if (writes_tile_codes(options, op))
+      dst[int(op)]->codes_t_tiles = make_tile_codes(*dst[int(op)], pl);
     if (!writes_codes(options, op)) dst[int(op)]->codes.clear();  // codes_t came from them above
   }
   if (options.nvfp4_qk && present[int(Operand::kQ)])

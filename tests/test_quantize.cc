@@ -354,6 +354,94 @@ TEST(QuantizeTransposed, TokenPositionsAreABijectionAndEveryOtherPositionIsZero)
   }
 }
 
+// V's tile codes (quantize.h): every document-relative tile of kValueTileTokens keys is requantized
+// to its largest exponent, checked against the reference E4M3 grid (nearest code, ties even) in
+// double; positions without a token stay 0; a tile's codes depend on its own keys alone; only V
+// has them, and only beside codes_t under a per-token exponent.
+TEST(QuantizeTransposed, ValueTileCodesCarryEachKeysShiftToItsTilesLargestExponent) {
+  const std::vector<int64_t> docs = {1, 31, 0, 129, 33, 300, 128, 5, 260};
+  InputSpec spec;
+  spec.kind = InputKind::kHeavyTail;  // exponents spread over several binades within a tile
+  spec.sigma = 2.0;
+  AttentionBatch b = generate_batch(docs, 2, 2, 64, spec);
+  const int64_t tt = ref_transposed_tokens(b.cu_seqlens);
+  const std::vector<int64_t> pos = ref_token_positions(b.cu_seqlens);
+  for (ScalePolicy policy : {ScalePolicy::kToken, ScalePolicy::kBlock32}) {
+    SCOPED_TRACE(to_string(policy));
+    QuantizeOptions opt;
+    opt.policy = policy;
+    const QuantizedAttention qa = quantize_cpu(b.inputs(), opt);
+    const E4M3Operand& v = qa.v;
+    ASSERT_EQ(v.codes_t_tiles.size(), v.codes_t.size());
+    for (const E4M3Operand* o : {&qa.q, &qa.k, &qa.dout}) EXPECT_TRUE(o->codes_t_tiles.empty());
+    std::vector<bool> token_at(size_t(tt), false);
+    int64_t shifted = 0, subnormal = 0;
+    for (size_t doc = 0; doc + 1 < b.cu_seqlens.size(); ++doc) {
+      const int64_t begin = b.cu_seqlens[doc], end = b.cu_seqlens[doc + 1];
+      for (int64_t t = begin; t < end; ++t) {
+        token_at[size_t(pos[t])] = true;
+        const int64_t n0 = begin + (t - begin) / 128 * 128, n1 = std::min(n0 + 128, end);
+        for (int h = 0; h < 2; ++h) {
+          int tile_max = -1000;
+          for (int64_t j = n0; j < n1; ++j)
+            tile_max =
+                std::max(tile_max, int(v.exponents[size_t(h * v.layout.tokens_padded + j)]) - 127);
+          const int e = int(v.exponents[size_t(h * v.layout.tokens_padded + t)]) - 127;
+          shifted += e < tile_max;
+          for (int d = 0; d < 64; ++d) {
+            const size_t at = size_t((int64_t(h) * 64 + d) * tt + pos[t]);
+            const double want = std::ldexp(testref::e4m3_value(v.codes_t[at]), e - tile_max);
+            // Nearest magnitude among codes 0..126 (0x7F is NaN), then the sign bit, as E4M3
+            // keeps it on zero too.
+            const int code = testref::nearest_code(std::fabs(want), 127, testref::e4m3_value,
+                                                   [](int) { return false; }) |
+                             (std::signbit(want) ? 0x80 : 0);
+            ASSERT_EQ(int(v.codes_t_tiles[at]), code)
+                << "token " << t << " head " << h << " dim " << d;
+            subnormal += std::fabs(want) < std::ldexp(1.0, -6) && want != 0.0;
+          }
+        }
+      }
+    }
+    EXPECT_GT(shifted, 0);    // the inputs exercise the shift
+    EXPECT_GT(subnormal, 0);  // and its rounding below the normal range
+    for (int64_t p = 0; p < tt; ++p)
+      if (!token_at[size_t(p)])
+        for (int64_t row = 0; row < 2 * 64; ++row)
+          ASSERT_EQ(v.codes_t_tiles[size_t(row * tt + p)], 0);
+
+    // A tile's codes do not see the other tiles: one token of the 300-token document's last tile
+    // (tokens 256..299) scaled up 2^10 raises that tile's exponent and leaves the first two
+    // tiles' codes as they were.
+    AttentionBatch big = b;
+    const int64_t d5 = b.cu_seqlens[5];
+    for (int64_t t = d5 + 260; t < d5 + 261; ++t)
+      for (int h = 0; h < 2; ++h)
+        for (int d = 0; d < 64; ++d) {
+          uint16_t& x = big.v[size_t((t * 2 + h) * 64 + d)];
+          x = bf16::encode(bf16::decode(x) * 1024.0f);
+        }
+    const QuantizedAttention qb = quantize_cpu(big.inputs(), opt);
+    int64_t changed_last = 0;
+    for (int64_t t = d5; t < d5 + 300; ++t)
+      for (int64_t row = 0; row < 2 * 64; ++row) {
+        const size_t at = size_t(row * tt + pos[t]);
+        if (t < d5 + 256) {
+          ASSERT_EQ(qb.v.codes_t_tiles[at], v.codes_t_tiles[at]) << "token " << t;
+        } else {
+          changed_last += qb.v.codes_t_tiles[at] != v.codes_t_tiles[at];
+        }
+      }
+    EXPECT_GT(changed_last, 0);
+  }
+  QuantizeOptions vgroup;
+  vgroup.policy = ScalePolicy::kVGroup16;
+  EXPECT_TRUE(quantize_cpu(b.inputs(), vgroup).v.codes_t_tiles.empty());
+  QuantizeOptions lean;
+  lean.transposed = false;
+  EXPECT_TRUE(quantize_cpu(b.inputs(), lean).v.codes_t_tiles.empty());
+}
+
 TEST(Quantize, Block32CountsBlocksFromEachDocumentStart) {
   // Two documents; the second starts at token 5. A large value at document-local position 31 of
   // the second document (token 36) must set the exponent of tokens 5..36 and no others.

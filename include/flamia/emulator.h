@@ -9,6 +9,9 @@
 //   t_ij = (S_ij * (log2(e) * scale * 2^eq_i)) * 2^ek_j          S from unscaled operand values
 //   mask (document, causal) after scaling; m_i = running max of t; P_ij = 2^(t_ij - m_i + 8) <= 2^8
 //   R_i = running max of the visible e_v(j);  P~_ij = P_ij * 2^(e_v(j) - R_i) <= 2^8 <= 448
+//   except in a key tile that every row of the kernel's item sees (items end-aligned as the
+//   kernel's work list, scheduler.h): there V's tile codes (flamia/quantize.h) carry
+//   2^(e_v(j) - T), T the tile's largest e_v, and P~_ij = P_ij * 2^(T - R_i)
 //   P~ rounded to E4M3 (BF16 for the bf16 recipe); O tile = P~ V in fresh FP32 registers, added to
 //   the running O after the rescale 2^(m_old - m_new) * 2^(R_old - R_new);  l_i = sum of unrounded
 //   P O_i = O * (2^R_i / l_i) -> BF16;  LSE_i = ln(2) * (m_i - 8 + log2 l_i)

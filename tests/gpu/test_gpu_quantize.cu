@@ -125,6 +125,7 @@ void expect_same(const QuantizedAttention& cpu, const QuantizedAttention& gpu) {
     expect_bytes(w.codes_t, g.codes_t, name + " codes_t");
     expect_bytes(w.exponents, g.exponents, name + " exponents");
     expect_bytes(w.channel_exponents, g.channel_exponents, name + " channel_exponents");
+    expect_bytes(w.codes_t_tiles, g.codes_t_tiles, name + " codes_t_tiles");
     EXPECT_EQ(cpu.non_finite.first_index[int(op)], gpu.non_finite.first_index[int(op)]) << name;
     expect_layout(cpu.non_finite.layouts[int(op)], gpu.non_finite.layouts[int(op)],
                   name + " report");
@@ -476,6 +477,8 @@ TEST(GpuQuantize, TransposedLayoutOnUnalignedAndEmptyDocuments) {
         expect_same(quantize_cpu(b.inputs(), opt), gpu);
         EXPECT_EQ(gpu.q.layout.tokens_t, transposed_tokens(b.tokens, int(layouts[i].size())));
         EXPECT_EQ(std::count(gpu.v.codes_t.begin(), gpu.v.codes_t.end(), kNaNPoison), 0);
+        EXPECT_EQ(std::count(gpu.v.codes_t_tiles.begin(), gpu.v.codes_t_tiles.end(), kNaNPoison),
+                  0);
       }
     }
   }
@@ -538,6 +541,10 @@ TEST(GpuQuantize, RejectsBadArguments) {
   o = out;
   o.v.exponents += 1;
   expect_error(run(good.in, o, opt), "V output 'exponents' is not 16-byte aligned");
+
+  // V's tile codes, which every policy but vgroup16 writes beside codes_t.
+  QuantizeOptions token;
+  expect_error(run(good.in, out, token), "V output 'codes_t_tiles' is null");
 
   // What an option does not need may be null: no transposed copy, no NVFP4, token policy.
   o = out;

@@ -16,6 +16,7 @@ using sm90::fwd::kBlockM;
 using sm90::fwd::kBlockN;
 using sm90::fwd::ScoreOperand;
 
+static_assert(kValueTileTokens == kBlockN, "V's tile codes are the forward's key tiles");
 static_assert(kGpuForwardTiles.block_m == kBlockM && kGpuForwardTiles.block_n == kBlockN,
               "the emulator's tiles must be the kernel's");
 
@@ -113,6 +114,7 @@ void GpuAttention::Impl::forward(const DeviceAttentionInputs& in,
     require_device_pointer(quant.k.exponents, 1, "K exponents");
   }
   require_device_pointer(quant.v.codes_t, kAlign, "V codes_t");
+  require_device_pointer(quant.v.codes_t_tiles, kAlign, "V codes_t_tiles");
   require_device_pointer(quant.v.exponents, 1, "V exponents");
   require_bf16_output(out.o, pl, pl.heads_q, "O");
   require_device_pointer(out.lse, sizeof(float), "LSE");
@@ -131,6 +133,7 @@ void GpuAttention::Impl::forward(const DeviceAttentionInputs& in,
     p.k_exponents = quant.k.exponents;
   }
   p.map_vt = codes_t_map(quant.v.codes_t, lkv, kBlockN);
+  p.map_vt_tiles = codes_t_map(quant.v.codes_t_tiles, lkv, kBlockN);
   p.v_exponents = quant.v.exponents;
   p.tokens_padded = lq.tokens_padded;
   p.items = m.item_buffer.get<sm90::WorkItem>();

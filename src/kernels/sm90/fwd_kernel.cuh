@@ -1,10 +1,10 @@
 // The forward attention kernel (DESIGN §6), one persistent CTA per multiprocessor, 512 threads:
 //   warpgroup 0, warp 0  producer: takes work items from the GPU-built list through an atomic
-//                        counter, TMA-loads each item's Q, then its K and V^T tiles (last first)
-//                        into two-stage rings, and stages Q's row factors and each tile's key
-//                        scale vectors (fwd_scales.cuh); the other three warps of the warpgroup
-//                        zero the backward's dQ accumulator if asked to (dq_clear.cuh), then
-//                        exit.
+//                        counter, TMA-loads each item's Q, then its K and V^T tiles (last first;
+//                        V's tile codes for the fully visible tiles) into two-stage rings, and
+//                        stages Q's row factors and each tile's key scale vectors (fwd_scales.cuh);
+//                        the other three warps of the warpgroup zero the backward's dQ accumulator
+//                        if asked to (dq_clear.cuh), then exit.
 //   warpgroups 1-3       consumers: 64 query rows each (mainloop_fwd.cuh).
 // Included by the two instantiation files (fwd_mxfp8.cu, fwd_qk16.cu) only.
 #pragma once
@@ -44,7 +44,7 @@ static_assert(2 * kAccRegs + kKSlices * kFragRegs + kConsumerRegHeadroom <= kCon
 constexpr uint32_t kQFullArrivals = kWarpThreads;
 constexpr uint32_t kTileFullArrivals = kWarpThreads;
 
-template <ScoreOperand kScore>
+template <ScoreOperand kScore, bool kCausal>
 __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
   using L = SmemLayout<kScore>;
   constexpr bool kKeyScales = kScore == ScoreOperand::kE4m3;
@@ -54,6 +54,7 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     tma_prefetch_descriptor(&p.map_q);
     tma_prefetch_descriptor(&p.map_k);
     tma_prefetch_descriptor(&p.map_vt);
+    tma_prefetch_descriptor(&p.map_vt_tiles);
   }
   PipelineState<kQStages> q_state;
   PipelineState<kStages> k_state, v_state;
@@ -115,7 +116,9 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
       stage_value_scales(sm.vscale[v_state.index], ev, lane);
       if (elected) {
         sm.v_pipe.producer_commit(v_state, L::kVtBytes);
-        tma_load_2d(sm.vt[v_state.index], &p.map_vt, int32_t(vt_begin + int64_t(kb) * kBlockN),
+        const CUtensorMap* vt =
+            visible_tile<kCausal>(kb, item.key_blocks - 1) ? &p.map_vt_tiles : &p.map_vt;
+        tma_load_2d(sm.vt[v_state.index], vt, int32_t(vt_begin + int64_t(kb) * kBlockN),
                     kv_head * kHeadDim, sm.v_pipe.full_barrier(v_state));
       } else {
         mbarrier_arrive(sm.v_pipe.full_barrier(v_state));
@@ -155,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(const __grid_const
   if (warpgroup == uint32_t(Warpgroup::kProducer)) {
     setmaxnreg_dec<kProducerRegs>();
     if (warp_index() == 0) {
-      producer<kScore>(p, sm);
+      producer<kScore, kCausal>(p, sm);
     } else if (p.dq_clear.accum != nullptr) {
       clear_dq(p.dq_clear);
     }

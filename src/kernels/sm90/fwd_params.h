@@ -60,9 +60,10 @@ struct ScoreSpans {
 };
 
 struct Params {
-  CUtensorMap map_q;   // [T][Hq][D]: E4M3 codes or BF16 inputs
-  CUtensorMap map_k;   // [T][Hkv][D]
-  CUtensorMap map_vt;  // V's codes_t: [Hkv * D][Tt] (flamia/quantize.h)
+  CUtensorMap map_q;         // [T][Hq][D]: E4M3 codes or BF16 inputs
+  CUtensorMap map_k;         // [T][Hkv][D]
+  CUtensorMap map_vt;        // V's codes_t: [Hkv * D][Tt] (flamia/quantize.h)
+  CUtensorMap map_vt_tiles;  // V's codes_t_tiles, the same shape: the fully visible key tiles
   const WorkItem* items = nullptr;
   int num_items = 0;
   int* counter = nullptr;                // next item; zeroed by build_schedule

@@ -18,8 +18,8 @@ namespace flamia::sm90::fwd {
 constexpr int kKeysPerLane = kBlockN / int(kWarpThreads);
 static_assert(kKeysPerLane * int(kWarpThreads) == kBlockN, "one warp covers a key tile");
 
-// Folds below 2^-kFoldFloorLog2 are clamped there: P~ <= 2^8 * 2^-64 rounds to E4M3 zero either
-// way.
+// Folds below 2^-kFoldFloorLog2 are clamped there (a row's reference exponent may lie far above
+// a tile's): P~ <= 2^8 * 2^-64 rounds to E4M3 zero either way.
 constexpr int kFoldFloorLog2 = 64;
 constexpr uint8_t kUnitExponentCode = ue8m0::kBias;  // 2^0: keys past the exponent array
 
@@ -29,7 +29,6 @@ struct alignas(16) KeyScales {
 };
 
 struct alignas(16) ValueScales {
-  float fold[kBlockN];      // 2^max(e_v(j) - tile_max, -kFoldFloorLog2): unmasked tiles
   int exponent[kBlockN];    // e_v(j): the masked tile's exact per-row fold
   int prefix_max[kBlockN];  // max of e_v over keys 0..j: the masked tile's reference exponent
   int tile_max;
@@ -116,19 +115,15 @@ __device__ __forceinline__ void stage_value_scales(ValueScales& dst, const LaneE
   const int before = __shfl_up_sync(kFull, scan, 1);
   const int tile_max = __shfl_sync(kFull, scan, kWarpThreads - 1);
   int4 ex, pm;
-  float4 fold;
   int* exs = &ex.x;
   int* pms = &pm.x;
-  float* folds = &fold.x;
 #pragma unroll
   for (int j = 0; j < kKeysPerLane; ++j) {
     exs[j] = ev[j];
     pms[j] = lane > 0 ? max(prefix[j], before) : prefix[j];
-    folds[j] = pow2_normal(max(ev[j] - tile_max, -kFoldFloorLog2));
   }
   *reinterpret_cast<int4*>(&dst.exponent[kKeysPerLane * lane]) = ex;
   *reinterpret_cast<int4*>(&dst.prefix_max[kKeysPerLane * lane]) = pm;
-  *reinterpret_cast<float4*>(&dst.fold[kKeysPerLane * lane]) = fold;
   if (lane == 0) dst.tile_max = tile_max;
 }
 

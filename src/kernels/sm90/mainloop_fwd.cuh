@@ -55,6 +55,13 @@ __device__ __forceinline__ void end_turn() {
 template <bool kCausal>
 constexpr int kMaskedTiles = kCausal ? (kBlockM + kBlockN - 1) / kBlockN : 1;
 
+// The other tiles are visible to every row of the item: they take V's tile codes (one exponent
+// per tile, flamia/quantize.h), so their softmax folds no per-key exponent.
+template <bool kCausal>
+__device__ __forceinline__ bool visible_tile(int kb, int last) {
+  return kb <= last - kMaskedTiles<kCausal>;
+}
+
 template <ScoreOperand kScore>
 __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
                                                     const SharedStorage<kScore>& sm, int q_stage,
@@ -198,7 +205,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
         softmax_masked_tile<kFirstMask>(s, st, vs, quad, row, rows.m0 - n0, rows.length - n0,
                                         o_rescale);
       } else {
-        softmax_visible_tile(s, st, vs, quad, o_rescale);
+        softmax_visible_tile(s, st, vs, o_rescale);
       }
       pack_a_fragments<kKSlices>(s, a);
     };

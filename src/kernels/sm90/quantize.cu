@@ -7,6 +7,7 @@
 #include "check.h"
 #include "flamia/quantize_gpu.h"
 #include "quantize_tile.cuh"
+#include "tile_codes.h"
 
 namespace flamia {
 namespace {
@@ -125,6 +126,8 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     tiles += token_tiles * j.heads;
     if (pl.tokens == 0) {  // every array is empty but codes_t, which documents make all padding
       if (options.transposed && layout.tokens_t > 0) require_output(j.name, "codes_t", o.codes_t);
+      if (writes_tile_codes(options, j.id) && layout.tokens_t > 0)
+        require_output(j.name, "codes_t_tiles", j.dst->codes_t_tiles);
       continue;
     }
     require_vector_input(j.name, j.view);
@@ -133,6 +136,8 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     if (options.transposed) require_output(j.name, "codes_t", o.codes_t);
     if (policy == ScalePolicy::kVGroup16)
       require_output(j.name, "channel_exponents", o.channel_exponents);
+    if (writes_tile_codes(options, j.id))
+      require_output(j.name, "codes_t_tiles", j.dst->codes_t_tiles);
     if (j.nv != nullptr) {
       const std::string nv_name = std::string(j.name) + " (NVFP4)";
       require_output(nv_name.c_str(), "packed", o.nv_packed);
@@ -148,10 +153,12 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
       cudaMemsetAsync(out.non_finite_first, kAllOnes, kNumOperands * sizeof(int64_t), stream));
   if (tiles == 0) {  // no tokens: codes_t (documents with no tokens) holds zeros only
     if (options.transposed && layout.tokens_t > 0)
-      for (int i = 0; i < num_ops; ++i)
-        FLAMIA_CUDA_CHECK(cudaMemsetAsync(args.ops[i].codes_t, 0,
-                                          size_t(args.ops[i].heads) * pl.head_dim * layout.tokens_t,
-                                          stream));
+      for (int i = 0; i < num_ops; ++i) {
+        const size_t bytes = size_t(args.ops[i].heads) * pl.head_dim * layout.tokens_t;
+        FLAMIA_CUDA_CHECK(cudaMemsetAsync(args.ops[i].codes_t, 0, bytes, stream));
+        if (writes_tile_codes(options, jobs[i].id))
+          FLAMIA_CUDA_CHECK(cudaMemsetAsync(jobs[i].dst->codes_t_tiles, 0, bytes, stream));
+      }
     return;
   }
 
@@ -169,6 +176,20 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     FLAMIA_CUDA_CHECK(cudaFreeAsync(workspace, stream));
   } else {
     launch_for(pl.head_dim, rotate, args, int(tiles), stream);
+  }
+  for (int i = 0; i < num_ops; ++i) {
+    if (!writes_tile_codes(options, jobs[i].id)) continue;
+    sm90::quant::TileCodesArgs t;
+    t.codes_t = jobs[i].dst->codes_t;
+    t.exponents = jobs[i].dst->exponents;
+    t.tiles = jobs[i].dst->codes_t_tiles;
+    t.cu_seqlens = in.cu_seqlens;
+    t.num_docs = pl.num_docs;
+    t.heads = jobs[i].heads;
+    t.dim = pl.head_dim;
+    t.tokens_padded = layout.tokens_padded;
+    t.tokens_t = layout.tokens_t;
+    sm90::quant::launch_tile_codes(t, stream);
   }
 }
 

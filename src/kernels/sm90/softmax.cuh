@@ -8,10 +8,10 @@
 // A thread holds rows r and r + 8 of its warp's 16 (kRows) and, per 8 columns, columns 2t, 2t + 1
 // of its quad (wgmma accumulator fragment); row statistics are reduced over the quad.
 //
-// Fully visible tiles fold the V exponents in two exact power-of-two steps: 2^(T - R_i) enters
-// the exponent argument (T = the tile's largest e_v, row-uniform) and 2^(e_v(j) - T) multiplies
-// P (a per-column factor staged by the producer), so each element costs one multiply. The masked
-// tile must not let invisible keys reach any rounding of a visible row, so it folds per element
+// Fully visible tiles read V's tile codes, whose codes carry 2^(e_v(j) - T) (T = the tile's
+// largest e_v, flamia/quantize.h): the fold is 2^(T - R_i), row-uniform, in the exponent argument,
+// and costs no instruction per element. The masked tile must not let invisible keys reach any
+// rounding of a visible row (T would), so it reads the per-token codes and folds per element
 // against the row's own reference exponent.
 #pragma once
 
@@ -110,7 +110,7 @@ __device__ __forceinline__ float exp_base(float m) {
 // to the new max and reference exponent.
 // s holds u (key scales applied).
 __device__ __forceinline__ void softmax_visible_tile(float (&s)[kAccRegs], RowState& st,
-                                                     const ValueScales& vs, int quad,
+                                                     const ValueScales& vs,
                                                      float (&o_rescale)[kRows]) {
   float mx[kRows];
   row_maxima(s, mx);
@@ -131,15 +131,10 @@ __device__ __forceinline__ void softmax_visible_tile(float (&s)[kAccRegs], RowSt
     st.ref[r] = ref_new;
   }
 #pragma unroll
-  for (int g = 0; g < kColPairs; ++g) {
-    const float2 f = *reinterpret_cast<const float2*>(&vs.fold[8 * g + 2 * quad]);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int i = 4 * g + k, r = acc_row_half(i);
-      const float p = exp2_approx(fmaf(s[i], st.rf[r], addend[r]));
-      lsum[r] += p;
-      s[i] = p * ((k & 1) ? f.y : f.x);
-    }
+  for (int i = 0; i < kAccRegs; ++i) {
+    const int r = acc_row_half(i);
+    s[i] = exp2_approx(fmaf(s[i], st.rf[r], addend[r]));
+    lsum[r] += s[i];
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) st.l[r] = fmaf(lsum[r], undo[r], st.l[r]);
