@@ -64,6 +64,25 @@ ScaledRows rows_from_bf16(const std::vector<uint16_t>& src, int heads, int head,
 
 }  // namespace
 
+ScaledRows tile_requantized(const ScaledRows& rows, int tile) {
+  ScaledRows t = rows;
+  t.cm.clear();
+  for (int n0 = 0; n0 < rows.rows; n0 += tile) {
+    const int n1 = std::min(n0 + tile, rows.rows);
+    const int top = *std::max_element(rows.exponent.begin() + n0, rows.exponent.begin() + n1);
+    for (int j = n0; j < n1; ++j) {
+      const float factor = exp2i(tile_shift(rows.exponent[j], top));
+      for (int d = 0; d < rows.dim; ++d) {
+        float& x = t.rm[size_t(j) * rows.dim + d];
+        x = e4m3::decode(e4m3::encode(x * factor));
+      }
+      t.exponent[j] = top;
+    }
+  }
+  if (!rows.cm.empty()) t.build_column_major();
+  return t;
+}
+
 TaskOperands Problem::operands(int doc, int head_q, bool backward) const {
   const AttentionBatch& b = *batch;
   const int64_t begin = layout.doc_begin(doc);
@@ -100,7 +119,11 @@ TaskOperands Problem::operands(int doc, int head_q, bool backward) const {
   } else {
     ops.v = rows_from_e4m3(quant->v, head_kv, begin, n);
     ops.fold_v = quant->v.channel_exponents.empty();
-    ops.tile_v = ops.fold_v;
+    // The kernels' tiles are kKeyTileTokens keys; other emulator tiles keep per-token codes.
+    if (ops.fold_v && config.forward.block_n == kKeyTileTokens) {
+      ops.v_tiles = tile_requantized(ops.v, kKeyTileTokens);
+      if (recipe == Recipe::kMxfp8) ops.sk_tiles = tile_requantized(ops.sk, kKeyTileTokens);
+    }
   }
   if (!backward) return ops;
 

@@ -49,8 +49,11 @@ void backward_task(const Problem& p, int doc, int head_q, const AttentionOutputs
 
   std::vector<float> dq_acc(size_t(L) * dim, 0.0f), dk_acc(size_t(BN) * dim),
       dv_acc(size_t(BN) * dim);
-  std::vector<float> s(size_t(BM) * BN), dp(size_t(BM) * BN), P(size_t(BM) * BN),
-      dS(size_t(BM) * BN);
+  std::vector<float> s(size_t(BM) * BN), s_tiles(size_t(BM) * BN), dp(size_t(BM) * BN),
+      P(size_t(BM) * BN), dS(size_t(BM) * BN);
+  // S as the forward formed it: from K's tile codes in the key tiles the forward's item saw whole.
+  const ForwardItems items(L, p.config.forward, causal);
+  const bool k_tiles = !ops.sk_tiles.rm.empty() && p.config.forward.block_n == BN;
   std::vector<float> tile(dim);
   std::vector<double> rowsum(L, 0.0), rowabs(L, 0.0);
 
@@ -62,12 +65,16 @@ void backward_task(const Problem& p, int doc, int head_q, const AttentionOutputs
     for (int m0 = m_first; m0 < L; m0 += BM) {
       const int rows = std::min(BM, L - m0);
       tile_product_abt(ops.sq, m0, rows, ops.sk, n0, cols, s.data());
+      if (k_tiles) tile_product_abt(ops.sq, m0, rows, ops.sk_tiles, n0, cols, s_tiles.data());
       tile_product_abt(ops.g, m0, rows, ops.v, n0, cols, dp.data());
       int c_ref = INT32_MIN;  // dV's fold reference: max dO exponent over rows with visible keys
       for (int r = 0; r < rows; ++r) {
         const int i = m0 + r;
         const float row_factor = p.scale_log2 * exp2i(ops.sq.exponent[i]);
         const float g_unit = exp2i(ops.g.exponent[i]);
+        const bool whole = k_tiles && items.visible(items.item_of(i), n0 / BN);
+        const ScaledRows& sk = whole ? ops.sk_tiles : ops.sk;
+        const float* sr = whole ? s_tiles.data() : s.data();
         bool any_visible = false;
         for (int c = 0; c < cols; ++c) {
           const size_t k = size_t(r) * cols + c;
@@ -76,7 +83,7 @@ void backward_task(const Problem& p, int doc, int head_q, const AttentionOutputs
             continue;
           }
           any_visible = true;
-          const float t = scaled_logit(s[k], row_factor, ops.sk.exponent[n0 + c]);
+          const float t = scaled_logit(sr[k], row_factor, sk.exponent[n0 + c]);
           P[k] = std::exp2(t - lse2[i]);
           const float dpv = (dp[k] * g_unit) * exp2i(ops.v.exponent[n0 + c]);
           dS[k] = P[k] * (dpv - D[i]);

@@ -21,45 +21,26 @@ void forward_task(const Problem& p, int doc, int head_q, AttentionOutputs<float>
   constexpr int kNoExponent = INT_MIN;
 
   std::vector<float> s(size_t(BM) * BN), acc(size_t(BM) * dim), tile(dim);
-  std::vector<float> v_tile(size_t(BN) * dim);  // a fully visible tile's V: its tile codes
   std::vector<float> m(BM), l(BM);
   std::vector<int> R(BM);
-  // The kernel's work items: tiles end at the document's last row rounded up to kRowUnit, so the
-  // first may start before the document (scheduler.h). Each item runs its key tiles from the last
-  // down; the kernel takes the tiles after the first masked_tiles as visible to every row of the
-  // item, which its tile shape guarantees (other shapes keep the exact condition).
-  constexpr int kRowUnit = 64;
-  const int unit = BM % kRowUnit == 0 ? kRowUnit : BM;
-  const int lead = (BM - (L + unit - 1) / unit * unit % BM) % BM;
-  const int masked_tiles = causal ? (BM + BN - 1) / BN : 1;
-  for (int item0 = -lead; item0 < L; item0 += BM) {
+  const ForwardItems items(L, p.config.forward, causal);
+  for (int item0 = items.item_of(0); item0 < L; item0 += BM) {
     const int m0 = std::max(item0, 0);
     const int rows = std::min(item0 + BM, L) - m0;
     std::fill(m.begin(), m.end(), -INFINITY);
     std::fill(l.begin(), l.end(), 0.0f);
     std::fill(R.begin(), R.end(), kNoExponent);
     std::fill(acc.begin(), acc.end(), 0.0f);
-    const int key_end = causal ? m0 + rows : L;
-    const int last = (key_end - 1) / BN;
     // Key tiles from the last visible one (the masked one) down to the first, as the kernel runs
     // them: the order fixes every rescale and so the E4M3 rounding of each P~.
-    for (int kb = last; kb >= 0; --kb) {
+    for (int kb = items.last_tile(item0); kb >= 0; --kb) {
       const int n0 = kb * BN;
       const int cols = std::min(BN, L - n0);
-      const bool tile_codes =
-          ops.tile_v && kb <= last - masked_tiles && (!causal || (kb + 1) * BN <= m0 + 1);
-      int tile_exponent = kNoExponent;
-      if (tile_codes) {
-        for (int c = 0; c < cols; ++c)
-          tile_exponent = std::max(tile_exponent, ops.v.exponent[n0 + c]);
-        for (int c = 0; c < cols; ++c) {
-          const int shift = tile_shift(ops.v.exponent[n0 + c], tile_exponent);
-          const float* vr = ops.v.row(n0 + c);
-          for (int d = 0; d < dim; ++d)
-            v_tile[size_t(c) * dim + d] = e4m3::decode(e4m3::encode(vr[d] * exp2i(shift)));
-        }
-      }
-      tile_product_abt(ops.sq, m0, rows, ops.sk, n0, cols, s.data());
+      // A tile every row of the item sees reads the tile codes: one K and one V exponent.
+      const bool whole = items.visible(item0, kb);
+      const ScaledRows& sk = whole && !ops.sk_tiles.rm.empty() ? ops.sk_tiles : ops.sk;
+      const ScaledRows& v = whole && !ops.v_tiles.rm.empty() ? ops.v_tiles : ops.v;
+      tile_product_abt(ops.sq, m0, rows, sk, n0, cols, s.data());
       for (int r = 0; r < rows; ++r) {
         const int i = m0 + r;
         const int visible = causal ? std::min(cols, i - n0 + 1) : cols;
@@ -69,9 +50,9 @@ void forward_task(const Problem& p, int doc, int head_q, AttentionOutputs<float>
         float tile_max = -INFINITY;
         int r_new = R[r];
         for (int c = 0; c < visible; ++c) {
-          sr[c] = scaled_logit(sr[c], row_factor, ops.sk.exponent[n0 + c]);
+          sr[c] = scaled_logit(sr[c], row_factor, sk.exponent[n0 + c]);
           tile_max = std::max(tile_max, sr[c]);
-          if (ops.fold_v) r_new = std::max(r_new, ops.v.exponent[n0 + c]);
+          if (ops.fold_v) r_new = std::max(r_new, v.exponent[n0 + c]);
         }
         const float m_new = std::max(m[r], tile_max);
         // Rescale of the running state: the softmax max and the V reference exponent together.
@@ -83,10 +64,7 @@ void forward_task(const Problem& p, int doc, int head_q, AttentionOutputs<float>
         for (int c = 0; c < visible; ++c) {
           const float P = std::exp2(sr[c] - m_new + kOffset);
           psum += P;
-          // The fold: per key against R, or (tile codes) once per tile, V's codes carrying the
-          // rest.
-          const int fold = tile_codes ? tile_exponent - r_new : ops.v.exponent[n0 + c] - r_new;
-          const float pt = ops.fold_v ? scale_by_pow2(P, fold) : P;
+          const float pt = ops.fold_v ? scale_by_pow2(P, v.exponent[n0 + c] - r_new) : P;
           st.p_max = std::max(st.p_max, double(pt));
           const float p8 = round_operand(recipe, pt);
           ++st.p_entries;
@@ -94,7 +72,7 @@ void forward_task(const Problem& p, int doc, int head_q, AttentionOutputs<float>
             if (pt > 0.0f) ++st.p_underflow;
             continue;
           }
-          const float* vr = tile_codes ? &v_tile[size_t(c) * dim] : ops.v.row(n0 + c);
+          const float* vr = v.row(n0 + c);
           for (int d = 0; d < dim; ++d) tile[d] += p8 * vr[d];
         }
         l[r] = l[r] * alpha + psum;

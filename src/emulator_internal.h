@@ -1,6 +1,7 @@
 // Internals of the CPU emulator shared by its forward and backward stages.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -32,9 +33,42 @@ struct TaskOperands {
   ScaledRows v;        // O = P V and dP = dO V^T
   ScaledRows g;        // dO: dP and dV = P^T dO
   bool fold_v = true;  // false when V has per-channel scales (vgroup16): dequantized in place
-  // E4M3 V with one exponent per token: fully visible key tiles read its tile codes
-  // (codes_t_tiles, flamia/quantize.h) and fold one exponent per tile.
-  bool tile_v = false;
+  // E4M3 operands with one exponent per token: in the key tiles the forward's items see whole
+  // (ForwardItems::visible), S reads K's tile codes (mxfp8) and O reads V's (flamia/quantize.h),
+  // with one exponent per tile (tile_requantized); empty where they do not apply.
+  ScaledRows sk_tiles, v_tiles;
+};
+
+// `rows` with each tile of `tile` rows requantized to E4M3 at the tile's largest exponent (the
+// quantizer's tile codes, flamia/quantize.h): values E4M3(x 2^(e - T)), exponent T.
+ScaledRows tile_requantized(const ScaledRows& rows, int tile);
+
+// The forward kernel's work items over one document (scheduler.h's end-aligned tiles, rows in
+// units of kRowUnit) and which key tiles an item's rows all see: the kernel runs an item's tiles
+// from the last down and takes all but the first masked_tiles as seen whole (with its tile
+// shape, exactly those are; other shapes keep the exact condition too).
+struct ForwardItems {
+  static constexpr int kRowUnit = 64;
+  int length = 0, block_m = 0, block_n = 0, lead = 0, masked_tiles = 0;
+  bool causal = true;
+
+  ForwardItems(int doc_length, const TileShape& t, bool causal_mask)
+      : length(doc_length), block_m(t.block_m), block_n(t.block_n), causal(causal_mask) {
+    const int unit = block_m % kRowUnit == 0 ? kRowUnit : block_m;
+    lead = (block_m - (length + unit - 1) / unit * unit % block_m) % block_m;
+    masked_tiles = causal ? (block_m + block_n - 1) / block_n : 1;
+  }
+  // The first row of the item holding document row i (negative for a leading partial item).
+  int item_of(int i) const { return (i + lead) / block_m * block_m - lead; }
+  // The item's last key tile: the one holding its last row's diagonal, or the document's end.
+  int last_tile(int item0) const {
+    const int key_end = causal ? std::min(item0 + block_m, length) : length;
+    return (key_end - 1) / block_n;
+  }
+  bool visible(int item0, int kb) const {
+    return kb <= last_tile(item0) - masked_tiles &&
+           (!causal || (kb + 1) * block_n <= std::max(item0, 0) + 1);
+  }
 };
 
 // Everything the stages need to build TaskOperands for any (document, head).

@@ -307,30 +307,53 @@ uint8_t tile_code(uint8_t code, int shift) {
   return e4m3::encode(e4m3::decode(code) * exp2i(shift));
 }
 
-std::vector<uint8_t> make_tile_codes(const E4M3Operand& v, const PackedLayout& pl) {
-  const QuantLayout& l = v.layout;
-  std::vector<uint8_t> out(v.codes_t.size(), 0);  // positions without a token stay 0
+namespace {
+
+// Calls f(token, shift) for every token of every document, shift = tile_shift of its exponent
+// against its tile's largest, per head.
+template <typename F>
+void for_each_tile_shift(const E4M3Operand& o, const PackedLayout& pl, int h, F f) {
+  const QuantLayout& l = o.layout;
   for (int b = 0; b < pl.num_docs; ++b) {
-    const int64_t begin = pl.doc_begin(b), pos = transposed_doc_begin(begin, b);
+    const int64_t begin = pl.doc_begin(b);
     const int length = pl.doc_length(b);
-    for (int n0 = 0; n0 < length; n0 += kValueTileTokens) {
-      const int keys = std::min(kValueTileTokens, length - n0);
-      for (int h = 0; h < l.heads; ++h) {
-        int tile_max = INT_MIN;
-        for (int j = 0; j < keys; ++j)
-          tile_max =
-              std::max(tile_max, ue8m0::exponent(v.exponents[l.exponent(h, begin + n0 + j)]));
-        for (int j = 0; j < keys; ++j) {
-          const int shift =
-              tile_shift(ue8m0::exponent(v.exponents[l.exponent(h, begin + n0 + j)]), tile_max);
-          for (int d = 0; d < l.dim; ++d) {
-            const int64_t at = l.code_t(h, d, pos + transposed_slot(n0 + j));
-            out[size_t(at)] = tile_code(v.codes_t[size_t(at)], shift);
-          }
-        }
-      }
+    for (int n0 = 0; n0 < length; n0 += kKeyTileTokens) {
+      const int keys = std::min(kKeyTileTokens, length - n0);
+      int tile_max = INT_MIN;
+      for (int j = 0; j < keys; ++j)
+        tile_max = std::max(tile_max, ue8m0::exponent(o.exponents[l.exponent(h, begin + n0 + j)]));
+      for (int j = 0; j < keys; ++j)
+        f(b, n0 + j,
+          tile_shift(ue8m0::exponent(o.exponents[l.exponent(h, begin + n0 + j)]), tile_max));
     }
   }
+}
+
+}  // namespace
+
+std::vector<uint8_t> make_codes_tiles(const E4M3Operand& k, const PackedLayout& pl) {
+  const QuantLayout& l = k.layout;
+  std::vector<uint8_t> out(k.codes.size(), 0);
+  for (int h = 0; h < l.heads; ++h)
+    for_each_tile_shift(k, pl, h, [&](int b, int r, int shift) {
+      const int64_t t = pl.doc_begin(b) + r;
+      for (int d = 0; d < l.dim; ++d)
+        out[size_t(l.code(t, h, d))] = tile_code(k.codes[size_t(l.code(t, h, d))], shift);
+    });
+  return out;
+}
+
+std::vector<uint8_t> make_codes_t_tiles(const E4M3Operand& v, const PackedLayout& pl) {
+  const QuantLayout& l = v.layout;
+  std::vector<uint8_t> out(v.codes_t.size(), 0);  // positions without a token stay 0
+  for (int h = 0; h < l.heads; ++h)
+    for_each_tile_shift(v, pl, h, [&](int b, int r, int shift) {
+      const int64_t pos = transposed_doc_begin(pl.doc_begin(b), b) + transposed_slot(r);
+      for (int d = 0; d < l.dim; ++d) {
+        const int64_t at = l.code_t(h, d, pos);
+        out[size_t(at)] = tile_code(v.codes_t[size_t(at)], shift);
+      }
+    });
   return out;
 }
 
@@ -354,8 +377,10 @@ QuantizedAttention quantize_cpu(const AttentionInputs& in, const QuantizeOptions
         quantize_e4m3(reader, pl, operand_heads(pl, op), effective_policy(options.policy, op),
                       options.transposed, &out.non_finite.first_index[int(op)]);
     out.non_finite.layouts[int(op)] = dst[int(op)]->layout;
-    if (writes_tile_codes(options, op))
-      dst[int(op)]->codes_t_tiles = make_tile_codes(*dst[int(op)], pl);
+    if (writes_codes_t_tiles(options, op))
+      dst[int(op)]->codes_t_tiles = make_codes_t_tiles(*dst[int(op)], pl);
+    if (writes_codes_tiles(options, op))
+      dst[int(op)]->codes_tiles = make_codes_tiles(*dst[int(op)], pl);
     if (!writes_codes(options, op)) dst[int(op)]->codes.clear();  // codes_t came from them above
   }
   if (options.nvfp4_qk && present[int(Operand::kQ)])

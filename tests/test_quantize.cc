@@ -354,7 +354,14 @@ TEST(QuantizeTransposed, TokenPositionsAreABijectionAndEveryOtherPositionIsZero)
   }
 }
 
-// V's tile codes (quantize.h): every document-relative tile of kValueTileTokens keys is requantized
+// The E4M3 code of x: the nearest magnitude among codes 0..126 (0x7F is NaN, ties to the even
+// code), then the sign bit, which E4M3 keeps on zero too.
+int ref_e4m3_code(double x) {
+  return testref::nearest_code(std::fabs(x), 127, testref::e4m3_value, [](int) { return false; }) |
+         (std::signbit(x) ? 0x80 : 0);
+}
+
+// V's tile codes (quantize.h): every document-relative tile of kKeyTileTokens keys is requantized
 // to its largest exponent, checked against the reference E4M3 grid (nearest code, ties even) in
 // double; positions without a token stay 0; a tile's codes depend on its own keys alone; only V
 // has them, and only beside codes_t under a per-token exponent.
@@ -391,12 +398,7 @@ TEST(QuantizeTransposed, ValueTileCodesCarryEachKeysShiftToItsTilesLargestExpone
           for (int d = 0; d < 64; ++d) {
             const size_t at = size_t((int64_t(h) * 64 + d) * tt + pos[t]);
             const double want = std::ldexp(testref::e4m3_value(v.codes_t[at]), e - tile_max);
-            // Nearest magnitude among codes 0..126 (0x7F is NaN), then the sign bit, as E4M3
-            // keeps it on zero too.
-            const int code = testref::nearest_code(std::fabs(want), 127, testref::e4m3_value,
-                                                   [](int) { return false; }) |
-                             (std::signbit(want) ? 0x80 : 0);
-            ASSERT_EQ(int(v.codes_t_tiles[at]), code)
+            ASSERT_EQ(int(v.codes_t_tiles[at]), ref_e4m3_code(want))
                 << "token " << t << " head " << h << " dim " << d;
             subnormal += std::fabs(want) < std::ldexp(1.0, -6) && want != 0.0;
           }
@@ -440,6 +442,51 @@ TEST(QuantizeTransposed, ValueTileCodesCarryEachKeysShiftToItsTilesLargestExpone
   QuantizeOptions lean;
   lean.transposed = false;
   EXPECT_TRUE(quantize_cpu(b.inputs(), lean).v.codes_t_tiles.empty());
+}
+
+// K's tile codes: the same requantization of its codes ([T][H][D]), which both kernels' score
+// products read in the tiles the forward's items see whole; only with score codes.
+TEST(QuantizeTransposed, KeyTileCodesCarryEachKeysShiftToItsTilesLargestExponent) {
+  const std::vector<int64_t> docs = {1, 31, 0, 129, 33, 300, 128, 5, 260};
+  InputSpec spec;
+  spec.kind = InputKind::kHeavyTail;
+  spec.sigma = 2.0;
+  const AttentionBatch b = generate_batch(docs, 2, 2, 64, spec);
+  for (ScalePolicy policy : {ScalePolicy::kToken, ScalePolicy::kBlock32, ScalePolicy::kVGroup16}) {
+    SCOPED_TRACE(to_string(policy));
+    QuantizeOptions opt;
+    opt.policy = policy;
+    const QuantizedAttention qa = quantize_cpu(b.inputs(), opt);
+    const E4M3Operand& k = qa.k;
+    ASSERT_EQ(k.codes_tiles.size(), k.codes.size());
+    for (const E4M3Operand* o : {&qa.q, &qa.v, &qa.dout}) EXPECT_TRUE(o->codes_tiles.empty());
+    int64_t shifted = 0;
+    for (size_t doc = 0; doc + 1 < b.cu_seqlens.size(); ++doc) {
+      const int64_t begin = b.cu_seqlens[doc], end = b.cu_seqlens[doc + 1];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = begin + (t - begin) / 128 * 128, n1 = std::min(n0 + 128, end);
+        for (int h = 0; h < 2; ++h) {
+          auto exponent = [&](int64_t j) {
+            return int(k.exponents[size_t(h * k.layout.tokens_padded + j)]) - 127;
+          };
+          int tile_max = -1000;
+          for (int64_t j = n0; j < n1; ++j) tile_max = std::max(tile_max, exponent(j));
+          shifted += exponent(t) < tile_max;
+          for (int d = 0; d < 64; ++d) {
+            const size_t at = size_t((t * 2 + h) * 64 + d);
+            const double want =
+                std::ldexp(testref::e4m3_value(k.codes[at]), exponent(t) - tile_max);
+            ASSERT_EQ(int(k.codes_tiles[at]), ref_e4m3_code(want))
+                << "token " << t << " head " << h << " dim " << d;
+          }
+        }
+      }
+    }
+    EXPECT_GT(shifted, 0);
+  }
+  QuantizeOptions qk16;
+  qk16.score_codes = false;
+  EXPECT_TRUE(quantize_cpu(b.inputs(), qk16).k.codes_tiles.empty());
 }
 
 TEST(Quantize, Block32CountsBlocksFromEachDocumentStart) {

@@ -11,7 +11,8 @@
 //   R_i = running max of the visible e_v(j);  P~_ij = P_ij * 2^(e_v(j) - R_i) <= 2^8 <= 448
 //   except in a key tile that every row of the kernel's item sees (items end-aligned as the
 //   kernel's work list, scheduler.h): there V's tile codes (flamia/quantize.h) carry
-//   2^(e_v(j) - T), T the tile's largest e_v, and P~_ij = P_ij * 2^(T - R_i)
+//   2^(e_v(j) - T), T the tile's largest e_v, and P~_ij = P_ij * 2^(T - R_i); with mxfp8, S is on
+//   K's tile codes too and e_k(j) is the tile's largest e_k, in both passes
 //   P~ rounded to E4M3 (BF16 for the bf16 recipe); O tile = P~ V in fresh FP32 registers, added to
 //   the running O after the rescale 2^(m_old - m_new) * 2^(R_old - R_new);  l_i = sum of unrounded
 //   P O_i = O * (2^R_i / l_i) -> BF16;  LSE_i = ln(2) * (m_i - 8 + log2 l_i)

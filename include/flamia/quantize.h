@@ -12,10 +12,13 @@
 //                                   dK = dS^T Q uses Q^T), Tt = transposed_tokens(T, num_docs);
 //                                   documents 16-aligned, tokens permuted in groups of 16 (below)
 //   codes_t_tiles      [H][D][Tt]   V only, beside codes_t (not under vgroup16): codes_t with
-//                                   each document-relative tile of kValueTileTokens keys
+//                                   each document-relative tile of kKeyTileTokens keys
 //                                   requantized to the tile's largest exponent T, code
 //                                   E4M3(decode(c) 2^(e(j) - T)) (below); the forward's fully
 //                                   visible key tiles read it, so that P~ needs no per-key fold
+//   codes_tiles        [T][H][D]    K only, beside its codes (score_codes): the same for K's
+//                                   codes, which the score products of those tiles read (both
+//                                   kernels, so that the backward recomputes the forward's S)
 //   exponents          [H][Tp]      UE8M0, one per token and head; a block policy repeats its
 //                                   block's exponent on every token of the block; padding 127
 //   channel_exponents  [T][H][D]    UE8M0, vgroup16's V only (one exponent per document-local
@@ -78,8 +81,9 @@ constexpr int kTokenPadding = 16;
 constexpr int kTransposedGroup =
     16;  // codes_t: documents start aligned to it, tokens permuted in it
 constexpr float kNvfp4TokenMax = e2m1::kMax * e4m3::kMax;  // token scale keeps local scales <= 448
-// V's tile codes (codes_t_tiles): the forward kernel's key tile, document-relative.
-constexpr int kValueTileTokens = 128;
+// K's and V's tile codes (codes_tiles, codes_t_tiles): the forward kernel's key tile,
+// document-relative.
+constexpr int kKeyTileTokens = 128;
 constexpr uint8_t kPaddingExponentCode = uint8_t(kZeroGroupExponent + ue8m0::kBias);
 
 enum class Operand { kQ = 0, kK = 1, kV = 2, kDO = 3 };
@@ -140,7 +144,8 @@ struct E4M3Operand {
   std::vector<uint8_t> codes_t;  // empty unless QuantizeOptions::transposed
   std::vector<uint8_t> exponents;
   std::vector<uint8_t> channel_exponents;  // vgroup16's V only
-  std::vector<uint8_t> codes_t_tiles;      // V with codes_t only (writes_tile_codes)
+  std::vector<uint8_t> codes_t_tiles;      // V with codes_t only (writes_codes_t_tiles)
+  std::vector<uint8_t> codes_tiles;        // K with codes only (writes_codes_tiles)
 
   int exponent(int64_t t, int h, int d) const {
     return channel_exponents.empty() ? ue8m0::exponent(exponents[layout.exponent(h, t)])
@@ -202,8 +207,13 @@ inline bool writes_codes(const QuantizeOptions& options, Operand op) {
 
 // Whether the quantizers write `op`'s codes_t_tiles: V's, beside its codes_t, for any policy
 // whose V has one exponent per token (all but vgroup16).
-inline bool writes_tile_codes(const QuantizeOptions& options, Operand op) {
+inline bool writes_codes_t_tiles(const QuantizeOptions& options, Operand op) {
   return op == Operand::kV && options.transposed && options.policy != ScalePolicy::kVGroup16;
+}
+// Whether they write `op`'s codes_tiles: K's, beside its codes (K has one exponent per token
+// under every policy).
+inline bool writes_codes_tiles(const QuantizeOptions& options, Operand op) {
+  return op == Operand::kK && writes_codes(options, op);
 }
 
 // A code of codes_t_tiles: code c of a key with exponent e in a tile whose largest exponent is
@@ -214,8 +224,10 @@ FLAMIA_HD constexpr int tile_shift(int e, int tile_max) {
   return e - tile_max < -kTileShiftFloor ? -kTileShiftFloor : e - tile_max;
 }
 uint8_t tile_code(uint8_t code, int shift);
-// codes_t_tiles of an E4M3 operand with codes_t and exponents (one per token), on `layout`.
-std::vector<uint8_t> make_tile_codes(const E4M3Operand& v, const PackedLayout& layout);
+// codes_t_tiles (codes_tiles) of an E4M3 operand with codes_t (codes) and exponents, one per
+// token, on `layout`.
+std::vector<uint8_t> make_codes_t_tiles(const E4M3Operand& v, const PackedLayout& layout);
+std::vector<uint8_t> make_codes_tiles(const E4M3Operand& k, const PackedLayout& layout);
 
 // BF16 inputs (raw bits). An operand whose data is null is skipped (see quantize_cpu): the
 // forward passes no dO, the training call's backward passes dO alone (Q, K, V were quantized by

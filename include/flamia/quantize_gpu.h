@@ -25,7 +25,8 @@ struct DeviceE4M3Operand {
                                          // QuantizeOptions::transposed
   uint8_t* exponents = nullptr;          // [H][Tp]
   uint8_t* channel_exponents = nullptr;  // [T][H][D]; needed for V under vgroup16 only
-  uint8_t* codes_t_tiles = nullptr;      // [H][D][Tt]; needed for V where writes_tile_codes
+  uint8_t* codes_t_tiles = nullptr;      // [H][D][Tt]; needed for V where writes_codes_t_tiles
+  uint8_t* codes_tiles = nullptr;        // [T][H][D]; needed for K where writes_codes_tiles
 };
 
 // Device views of Nvfp4Operand's arrays; needed when QuantizeOptions::nvfp4_qk.

@@ -126,6 +126,7 @@ void expect_same(const QuantizedAttention& cpu, const QuantizedAttention& gpu) {
     expect_bytes(w.exponents, g.exponents, name + " exponents");
     expect_bytes(w.channel_exponents, g.channel_exponents, name + " channel_exponents");
     expect_bytes(w.codes_t_tiles, g.codes_t_tiles, name + " codes_t_tiles");
+    expect_bytes(w.codes_tiles, g.codes_tiles, name + " codes_tiles");
     EXPECT_EQ(cpu.non_finite.first_index[int(op)], gpu.non_finite.first_index[int(op)]) << name;
     expect_layout(cpu.non_finite.layouts[int(op)], gpu.non_finite.layouts[int(op)],
                   name + " report");
@@ -479,6 +480,7 @@ TEST(GpuQuantize, TransposedLayoutOnUnalignedAndEmptyDocuments) {
         EXPECT_EQ(std::count(gpu.v.codes_t.begin(), gpu.v.codes_t.end(), kNaNPoison), 0);
         EXPECT_EQ(std::count(gpu.v.codes_t_tiles.begin(), gpu.v.codes_t_tiles.end(), kNaNPoison),
                   0);
+        EXPECT_EQ(std::count(gpu.k.codes_tiles.begin(), gpu.k.codes_tiles.end(), kNaNPoison), 0);
       }
     }
   }
@@ -544,6 +546,9 @@ TEST(GpuQuantize, RejectsBadArguments) {
 
   // V's tile codes, which every policy but vgroup16 writes beside codes_t.
   QuantizeOptions token;
+  DeviceQuantizedAttention k_tiles = out;
+  k_tiles.k.codes_tiles = nullptr;
+  expect_error(run(good.in, k_tiles, opt), "K output 'codes_tiles' is null");
   expect_error(run(good.in, out, token), "V output 'codes_t_tiles' is null");
 
   // What an option does not need may be null: no transposed copy, no NVFP4, token policy.

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../src/emulator_internal.h"
 #include "bwd_params.h"
 #include "check.h"
 #include "flamia/packed.h"
@@ -453,6 +454,57 @@ TEST(BackwardDqSlot, StagedFragmentsAreTheSlotLayout) {
     for (int e = 0; e < 4; ++e)
       ASSERT_EQ(sm90::bwd::dq_slot_offset(quad.row + 8 * (e / 2), quad.col + e % 2), at + e)
           << "offset " << at << ", element " << e;
+  }
+}
+
+// Host only: the tiles an item sees whole (fwd::item_sees_tile_whole), where both kernels read K's
+// and V's tile codes. Against a brute-force check of the item's rows: every row of the item sees
+// every key of such a tile (causal safety); the forward kernel's rule (all but the first
+// masked_tiles from the item's last) and the emulator's (emu::ForwardItems) agree with it; and the
+// backward's query tiles of a key block go from token to tile codes once (the consumer's m_whole).
+TEST(ForwardTiles, ItemsSeeTheirWholeTilesAsBothKernelsAndTheEmulatorAssume) {
+  using sm90::fwd::kBlockM;
+  using sm90::fwd::kBlockN;
+  for (const bool causal : {true, false}) {
+    const sm90::ScheduleGeometry g = sm90::fwd::schedule_geometry(causal);
+    const TileShape shape{kBlockM, kBlockN};
+    for (int32_t length = 1; length <= 1300; length += length < 400 ? 1 : 37) {
+      SCOPED_TRACE(std::string(causal ? "causal" : "non-causal") + ", length " +
+                   std::to_string(length));
+      const emu::ForwardItems items(length, shape, causal);
+      int64_t whole_pairs = 0;
+      for (int32_t q = 0; q < sm90::schedule_query_tiles(length, kBlockM); ++q) {
+        const int32_t first = sm90::schedule_first_row(length, q, g);
+        ASSERT_EQ(items.item_of(std::max(first, 0)), first);
+        const int32_t last = sm90::schedule_key_blocks(length, q, g) - 1;
+        ASSERT_EQ(items.last_tile(first), last);
+        for (int32_t kb = 0; kb <= last; ++kb) {
+          const bool kernel_rule = kb <= last - sm90::fwd::masked_tiles(causal);
+          bool sees_all = true;
+          for (int32_t row = std::max(first, 0); row < std::min(first + kBlockM, length); ++row) {
+            ASSERT_EQ(sm90::fwd::item_sees_tile_whole(length, row, kb, causal), kernel_rule)
+                << "row " << row << ", tile " << kb;
+            for (int32_t key = kb * kBlockN; key < (kb + 1) * kBlockN; ++key)
+              sees_all = sees_all && key < length && (!causal || key <= row);
+          }
+          if (kernel_rule) ASSERT_TRUE(sees_all) << "item " << q << ", tile " << kb;
+          ASSERT_EQ(items.visible(first, kb), kernel_rule) << "item " << q << ", tile " << kb;
+          whole_pairs += kernel_rule;
+        }
+      }
+      if (length >= 4 * kBlockN) EXPECT_GT(whole_pairs, 0);
+      // The backward: from the first query tile of a key block on, token codes then tile codes.
+      const int32_t tiles = (length + sm90::bwd::kBlockM - 1) / sm90::bwd::kBlockM;
+      for (int32_t kb = 0; kb * kBlockN < length; ++kb) {
+        bool seen = false;
+        for (int32_t m = sm90::bwd::first_query_tile(kb, causal); m < tiles; ++m) {
+          const bool whole =
+              sm90::fwd::item_sees_tile_whole(length, m * sm90::bwd::kBlockM, kb, causal);
+          ASSERT_TRUE(whole || !seen) << "key block " << kb << ", query tile " << m;
+          seen = seen || whole;
+        }
+      }
+    }
   }
 }
 

@@ -109,6 +109,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   if (qk16) require_bf16_score_operands(in, pl);
   require_codes(quant.q, "Q", !qk16);
   require_codes(quant.k, "K", !qk16);
+  if (!qk16) require_device_pointer(quant.k.codes_tiles, kDeviceAlignment, "K codes_tiles");
   require_codes(quant.dout, "dO");
   require_device_pointer(quant.v.codes, kDeviceAlignment, "V codes");
   require_device_pointer(quant.v.exponents, 1, "V exponents");
@@ -170,6 +171,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   } else {
     p.map_q = codes_map(quant.q.codes, pl.tokens, pl.heads_q, kBlockM);
     p.map_k = codes_map(quant.k.codes, pl.tokens, pl.heads_kv, kBlockN);
+    p.map_k_tiles = codes_map(quant.k.codes_tiles, pl.tokens, pl.heads_kv, kBlockN);
   }
   p.map_v = codes_map(quant.v.codes, pl.tokens, pl.heads_kv, kBlockN);
   p.map_dout = codes_map(quant.dout.codes, pl.tokens, pl.heads_q, kBlockM);

@@ -16,7 +16,7 @@ using sm90::fwd::kBlockM;
 using sm90::fwd::kBlockN;
 using sm90::fwd::ScoreOperand;
 
-static_assert(kValueTileTokens == kBlockN, "V's tile codes are the forward's key tiles");
+static_assert(kKeyTileTokens == kBlockN, "K's and V's tile codes are the forward's key tiles");
 static_assert(kGpuForwardTiles.block_m == kBlockM && kGpuForwardTiles.block_n == kBlockN,
               "the emulator's tiles must be the kernel's");
 
@@ -110,6 +110,7 @@ void GpuAttention::Impl::forward(const DeviceAttentionInputs& in,
   } else {
     require_device_pointer(quant.q.codes, kAlign, "Q codes");
     require_device_pointer(quant.k.codes, kAlign, "K codes");
+    require_device_pointer(quant.k.codes_tiles, kAlign, "K codes_tiles");
     require_device_pointer(quant.q.exponents, 1, "Q exponents");
     require_device_pointer(quant.k.exponents, 1, "K exponents");
   }
@@ -129,6 +130,7 @@ void GpuAttention::Impl::forward(const DeviceAttentionInputs& in,
   } else {
     p.map_q = codes_map(quant.q.codes, pl.tokens, pl.heads_q, kBlockM);
     p.map_k = codes_map(quant.k.codes, pl.tokens, pl.heads_kv, kBlockN);
+    p.map_k_tiles = codes_map(quant.k.codes_tiles, pl.tokens, pl.heads_kv, kBlockN);
     p.q_exponents = quant.q.exponents;
     p.k_exponents = quant.k.exponents;
   }

@@ -53,6 +53,7 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     for (const CUtensorMap* map :
          {&p.map_q, &p.map_k, &p.map_v, &p.map_dout, &p.map_qt, &p.map_doutt, &p.map_kt})
       tma_prefetch_descriptor(map);
+    if (L::kKeyTiles) tma_prefetch_descriptor(&p.map_k_tiles);
   }
   PipelineState<1> kv_state;
   PipelineState<kQStages> q_state;
@@ -63,11 +64,22 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     WorkItem item{-1, 0, 0, 0};
     if (index < p.num_items) item = p.items[index];
 
-    sm.kv_pipe.producer_acquire(kv_state);
     const int64_t begin = item.doc < 0 ? 0 : p.cu_seqlens[item.doc];
     const int n0 = item.key_block * kBlockN;
+    // The score unit on K's tile codes: 2^ the largest exponent of the block's keys. A partial
+    // block's maximum may take in the next document's keys: the forward never sees it whole.
+    uint32_t k_tile_code = 0;
+    if (L::kKeyTiles && item.doc >= 0) {
+      const uint8_t* row = p.k_exponents + int64_t(item.kv_head) * p.tokens_padded + begin + n0;
+      const int64_t left = p.tokens_padded - (begin + n0);
+      for (int j = lane; j < kBlockN; j += int(kWarpThreads))
+        k_tile_code = max(k_tile_code, j < left ? uint32_t(row[j]) : 0u);
+      k_tile_code = __reduce_max_sync(0xFFFFFFFFu, k_tile_code);
+    }
+    sm.kv_pipe.producer_acquire(kv_state);
     if (elected) {
       sm.item = item;
+      sm.k_tile_unit = ue8m0::decode(uint8_t(k_tile_code));
       if (item.doc < 0) {
         mbarrier_arrive(sm.kv_pipe.full_barrier(kv_state));
       } else {
@@ -78,6 +90,12 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
         for (int span = 0; span < L::kSpans; ++span)
           tma_load_3d(sm.k + span * L::kKSpanBytes, &p.map_k, span * L::kSpanElems, item.kv_head,
                       token, full);
+        if constexpr (L::kKeyTiles) {
+#pragma unroll
+          for (int span = 0; span < L::kSpans; ++span)
+            tma_load_3d(sm.k_tiles + span * L::kKSpanBytes, &p.map_k_tiles, span * L::kSpanElems,
+                        item.kv_head, token, full);
+        }
         tma_load_3d(sm.v, &p.map_v, 0, item.kv_head, token, full);
         tma_load_2d(sm.kt, &p.map_kt, int32_t(transposed_doc_begin(begin, item.doc) + n0),
                     item.kv_head * kHeadDim, full);

@@ -107,13 +107,14 @@ struct DiagnosticCounters {
 };
 
 struct Params {
-  CUtensorMap map_q;      // score operand Q [T][Hq][D]: E4M3 codes or BF16 inputs; kBlockM rows
-  CUtensorMap map_k;      // score operand K [T][Hkv][D]; kBlockN rows
-  CUtensorMap map_v;      // V codes [T][Hkv][D]
-  CUtensorMap map_dout;   // dO codes [T][Hq][D]
-  CUtensorMap map_qt;     // Q codes_t [Hq * D][Tt]: boxes of kBlockM positions x D, 64B swizzle
-  CUtensorMap map_doutt;  // dO codes_t, likewise
-  CUtensorMap map_kt;     // K codes_t [Hkv * D][Tt]: boxes of kBlockN positions x D
+  CUtensorMap map_q;        // score operand Q [T][Hq][D]: E4M3 codes or BF16 inputs; kBlockM rows
+  CUtensorMap map_k;        // score operand K [T][Hkv][D]; kBlockN rows
+  CUtensorMap map_k_tiles;  // K's codes_tiles, the same boxes (mxfp8)
+  CUtensorMap map_v;        // V codes [T][Hkv][D]
+  CUtensorMap map_dout;     // dO codes [T][Hq][D]
+  CUtensorMap map_qt;       // Q codes_t [Hq * D][Tt]: boxes of kBlockM positions x D, 64B swizzle
+  CUtensorMap map_doutt;    // dO codes_t, likewise
+  CUtensorMap map_kt;       // K codes_t [Hkv * D][Tt]: boxes of kBlockN positions x D
   const WorkItem* items = nullptr;
   int num_items = 0;
   int* counter = nullptr;                   // next item; zeroed before the launch

@@ -54,7 +54,11 @@ struct SmemLayout : ScoreSpans<kScore> {
   static constexpr uint32_t kCodesKBytes = kBlockN * kHeadDim;   // V codes, K codes_t
   static constexpr uint32_t kCodesTQBytes = kHeadDim * kBlockM;  // Q, dO codes_t
   static constexpr uint32_t kQStageBytes = kQBytes + kCodesQBytes + 2 * kCodesTQBytes;
-  static constexpr uint32_t kKeyBlockBytes = kKBytes + 2 * kCodesKBytes;
+  // K's tile codes (mxfp8's E4M3 score operand only): S where the forward's item saw the key block
+  // whole (fwd::item_sees_tile_whole), so the recomputation reads the forward's codes.
+  static constexpr bool kKeyTiles = kScore == ScoreOperand::kE4m3;
+  static constexpr uint32_t kKTileBytes = kKeyTiles ? kKBytes : 0;
+  static constexpr uint32_t kKeyBlockBytes = kKBytes + kKTileBytes + 2 * kCodesKBytes;
   // A consumer warpgroup's 64 keys of a [keys][128 B] tile.
   static constexpr uint32_t kWarpgroupKeyBytes = wgmma::kM * wgmma::kSw128RowBytes;
   static_assert(kHeadDim == int(wgmma::kSw128RowBytes), "an E4M3 row is one 128 B swizzle span");
@@ -67,7 +71,9 @@ struct SmemLayout : ScoreSpans<kScore> {
 template <ScoreOperand kScore>
 struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   using L = SmemLayout<kScore>;
-  uint8_t k[L::kKBytes];            // score operand K
+  uint8_t k[L::kKBytes];  // score operand K
+  // K's tile codes (a swizzle atom of padding for BF16 K, which has none)
+  uint8_t k_tiles[L::kKeyTiles ? L::kKTileBytes : wgmma::kSw128AtomBytes];
   uint8_t v[L::kCodesKBytes];       // V codes [keys][D]
   uint8_t kt[L::kCodesKBytes];      // K codes_t [D][keys]
   uint8_t q[kQStages][L::kQBytes];  // score operand Q
@@ -83,6 +89,7 @@ struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   QueryRows rows[kQStages];
   alignas(8) int row_max[kMaxBuffers][kBlockM];  // 8-aligned: a thread's query pairs as int2
   WorkItem item;
+  float k_tile_unit;  // 2^max e_k over the key block: the score unit on K's tile codes
   Pipeline<1> kv_pipe;
   Pipeline<kQStages> q_pipe;
 };

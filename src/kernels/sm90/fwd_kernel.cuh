@@ -1,10 +1,10 @@
 // The forward attention kernel (DESIGN §6), one persistent CTA per multiprocessor, 512 threads:
 //   warpgroup 0, warp 0  producer: takes work items from the GPU-built list through an atomic
 //                        counter, TMA-loads each item's Q, then its K and V^T tiles (last first;
-//                        V's tile codes for the fully visible tiles) into two-stage rings, and
-//                        stages Q's row factors and each tile's key scale vectors (fwd_scales.cuh);
-//                        the other three warps of the warpgroup zero the backward's dQ accumulator
-//                        if asked to (dq_clear.cuh), then exit.
+//                        K's and V's tile codes for the fully visible tiles) into two-stage rings,
+//                        and stages Q's row factors and each tile's key scale vectors
+//                        (fwd_scales.cuh); the other three warps of the warpgroup zero the
+//                        backward's dQ accumulator if asked to (dq_clear.cuh), then exit.
 //   warpgroups 1-3       consumers: 64 query rows each (mainloop_fwd.cuh).
 // Included by the two instantiation files (fwd_mxfp8.cu, fwd_qk16.cu) only.
 #pragma once
@@ -55,6 +55,7 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     tma_prefetch_descriptor(&p.map_k);
     tma_prefetch_descriptor(&p.map_vt);
     tma_prefetch_descriptor(&p.map_vt_tiles);
+    if (kKeyScales) tma_prefetch_descriptor(&p.map_k_tiles);
   }
   PipelineState<kQStages> q_state;
   PipelineState<kStages> k_state, v_state;
@@ -99,14 +100,16 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
       if constexpr (kKeyScales) ek = load_lane_exponents(k_exps, t0, p.tokens_padded, lane);
       const LaneExponents ev = load_lane_exponents(v_exps, t0, p.tokens_padded, lane);
 
+      const bool whole = visible_tile<kCausal>(kb, item.key_blocks - 1);
       sm.k_pipe.producer_acquire(k_state);
       if constexpr (kKeyScales) stage_key_scales(sm.kscale[k_state.index], ek, lane);
       if (elected) {
         sm.k_pipe.producer_commit(k_state, L::kKBytes);
+        const CUtensorMap* k = kKeyScales && whole ? &p.map_k_tiles : &p.map_k;
 #pragma unroll
         for (int span = 0; span < L::kSpans; ++span)
-          tma_load_3d(sm.k[k_state.index] + span * L::kKSpanBytes, &p.map_k, span * L::kSpanElems,
-                      kv_head, int32_t(t0), sm.k_pipe.full_barrier(k_state));
+          tma_load_3d(sm.k[k_state.index] + span * L::kKSpanBytes, k, span * L::kSpanElems, kv_head,
+                      int32_t(t0), sm.k_pipe.full_barrier(k_state));
       } else {
         mbarrier_arrive(sm.k_pipe.full_barrier(k_state));
       }
@@ -116,8 +119,7 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
       stage_value_scales(sm.vscale[v_state.index], ev, lane);
       if (elected) {
         sm.v_pipe.producer_commit(v_state, L::kVtBytes);
-        const CUtensorMap* vt =
-            visible_tile<kCausal>(kb, item.key_blocks - 1) ? &p.map_vt_tiles : &p.map_vt;
+        const CUtensorMap* vt = whole ? &p.map_vt_tiles : &p.map_vt;
         tma_load_2d(sm.vt[v_state.index], vt, int32_t(vt_begin + int64_t(kb) * kBlockN),
                     kv_head * kHeadDim, sm.v_pipe.full_barrier(v_state));
       } else {

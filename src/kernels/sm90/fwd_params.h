@@ -29,6 +29,20 @@ constexpr ScheduleGeometry schedule_geometry(bool causal) {
   return ScheduleGeometry{kBlockM, kBlockN, causal, wgmma::kM};
 }
 
+// An item runs its key tiles from the last down; the first masked_tiles hold its rows' diagonal
+// (causal; two of 128 keys for 192 rows) or the document's end, and every row of the item sees
+// each later tile whole. There both kernels' score products read K's tile codes (the backward
+// recomputes the forward's S) and the forward reads V's (flamia/quantize.h).
+FLAMIA_HD constexpr int masked_tiles(bool causal) {
+  return causal ? (kBlockM + kBlockN - 1) / kBlockN : 1;
+}
+// Whether the item holding document row `row` sees key tile `kb` whole (a later tile, above).
+FLAMIA_HD bool item_sees_tile_whole(int32_t doc_len, int32_t row, int32_t kb, bool causal) {
+  const ScheduleGeometry g = schedule_geometry(causal);
+  const int32_t q_tile = (row + schedule_lead_rows(doc_len, g)) / kBlockM;
+  return kb <= schedule_key_blocks(doc_len, q_tile, g) - 1 - masked_tiles(causal);
+}
+
 // The work list's locality (ScheduleGeometry::cost_bits). With few (document, query head) pairs
 // the CTAs running at one time already hold several adjacent tiles of each, whose K/V they share
 // in L2; with more than ctas / kSharedTilesPerPair pairs (four or more 16-head documents on 132
@@ -62,6 +76,7 @@ struct ScoreSpans {
 struct Params {
   CUtensorMap map_q;         // [T][Hq][D]: E4M3 codes or BF16 inputs
   CUtensorMap map_k;         // [T][Hkv][D]
+  CUtensorMap map_k_tiles;   // K's codes_tiles, the same shape (mxfp8): the fully visible tiles
   CUtensorMap map_vt;        // V's codes_t: [Hkv * D][Tt] (flamia/quantize.h)
   CUtensorMap map_vt_tiles;  // V's codes_t_tiles, the same shape: the fully visible key tiles
   const WorkItem* items = nullptr;

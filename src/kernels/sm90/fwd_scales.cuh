@@ -25,7 +25,8 @@ constexpr uint8_t kUnitExponentCode = ue8m0::kBias;  // 2^0: keys past the expon
 
 // 16-byte aligned: each lane stores its keys with one vector store per array.
 struct alignas(16) KeyScales {
-  float scale[kBlockN];  // 2^e_k(j)
+  float scale[kBlockN];  // 2^e_k(j): the masked tiles
+  float tile_unit;       // 2^max_j e_k(j): the visible tiles, on K's tile codes
 };
 
 struct alignas(16) ValueScales {
@@ -92,6 +93,11 @@ __device__ __forceinline__ void stage_key_scales(KeyScales& dst, const LaneExpon
   v.w = ue8m0::decode(uint8_t(e.code[3]));
   static_assert(kKeysPerLane == 4, "one float4 per lane");
   *reinterpret_cast<float4*>(&dst.scale[kKeysPerLane * lane]) = v;
+  // Powers of two compare as their exponents; keys past the exponent row read 2^0 (a masked
+  // tile's only: visible tiles lie inside the document).
+  const uint32_t top =
+      __reduce_max_sync(0xFFFFFFFFu, __float_as_uint(fmaxf(fmaxf(v.x, v.y), fmaxf(v.z, v.w))));
+  if (lane == 0) dst.tile_unit = __uint_as_float(top);
 }
 
 __device__ __forceinline__ void stage_value_scales(ValueScales& dst, const LaneExponents& e,

@@ -1,6 +1,7 @@
 // The backward consumer warpgroups' mainloop: warpgroup w owns keys 64w..64w+63 of the work item's
 // key block and, for each query head of the group and each query tile from the diagonal on,
-//   S^T = K Q^T and dP^T = V dO^T          (SS wgmma; S on E4M3 codes or on BF16 inputs)
+//   S^T = K Q^T and dP^T = V dO^T          (SS wgmma; S on E4M3 codes, K's tile codes where the
+//                                            forward saw the key block whole, or on BF16 inputs)
 //   P, dS and the folded operands           (softmax_bwd.cuh)
 //   dV_tile = P~^T dO, dK_tile = dS~^T Q    (register-A QGMMA against the K-major copies of dO and
 //                                            Q) added to FP32 dV and dK with their units: fresh
@@ -24,8 +25,10 @@ enum class ConsumerBarrier : uint32_t {
   kDsReady,                        // the quantized dS tile is in shared memory
   kWarpgroup0,                     // ordered mode, one warpgroup: its dQ turn came / is done
   kWarpgroup1,
+  kKeysSwapped0,  // one warpgroup: its keys' two codes exchanged in shared memory (swap_key_codes)
+  kKeysSwapped1,
 };
-static_assert(named_barrier_id_valid(ConsumerBarrier::kWarpgroup1), "named barrier ids");
+static_assert(named_barrier_id_valid(ConsumerBarrier::kKeysSwapped1), "named barrier ids");
 constexpr uint32_t kConsumerThreads = 2 * kWarpgroupThreads;
 constexpr int kHalfDim = kHeadDim / 2;  // dK, dV accumulate in two m64n64 halves
 
@@ -174,12 +177,37 @@ __device__ __forceinline__ void store_ds_tile(uint8_t* ds_tile, const float (&ds
   }
 }
 
+// Exchanges the warpgroup's 64 keys of K's token codes (sm.k, where the score products read) and
+// tile codes (sm.k_tiles): each warpgroup's S reads its own keys only, and its last score product
+// has completed (issue_score_products waits), so no other warpgroup or product is in the way.
+template <ScoreOperand kScore>
+__device__ __forceinline__ void swap_key_codes(SharedStorage<kScore>& sm, int warpgroup) {
+  using L = SmemLayout<kScore>;
+  static_assert(L::kKeyTiles && L::kSpans == 1, "E4M3 keys: one span of 128 B rows");
+  constexpr int kChunks = int(L::kWarpgroupKeyBytes / sizeof(uint4) / kWarpgroupThreads);
+  uint4* a = reinterpret_cast<uint4*>(sm.k + warpgroup * L::kWarpgroupKeyBytes);
+  uint4* b = reinterpret_cast<uint4*>(sm.k_tiles + warpgroup * L::kWarpgroupKeyBytes);
+  const int t = int(threadIdx.x % kWarpgroupThreads);
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int at = t + i * int(kWarpgroupThreads);
+    const uint4 x = a[at], y = b[at];
+    a[at] = y;
+    b[at] = x;
+  }
+  // The next score products read the keys through the async proxy.
+  fence_async_shared();
+  named_barrier_sync(
+      warpgroup == 0 ? ConsumerBarrier::kKeysSwapped0 : ConsumerBarrier::kKeysSwapped1,
+      kWarpgroupThreads);
+}
+
 // One query tile of one head against the warpgroup's keys: products, gradients, dV and dK
 // accumulation, dS through shared memory, the dQ partial.
 template <ScoreOperand kScore, bool kCausal, bool kDiagnostics, DqAddition kDq>
 __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kScore>& sm,
                                               int warpgroup, const StepItem& item, int m,
-                                              uint32_t step, const KeyRows& kr,
+                                              uint32_t step, bool whole_keys, const KeyRows& kr,
                                               PipelineState<kQStages>& q_state,
                                               float (&dv)[2][kTileRegs], float (&dk)[2][kTileRegs],
                                               PendingDq& pending) {
@@ -190,6 +218,10 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   sm.q_pipe.consumer_wait(q_state);
   flush_dq_partial(pending);  // the previous step's: no product is in flight here
   const QueryRows& rows = sm.rows[q_state.index];
+  // whole_keys: S as the forward formed it where its item saw the key block whole, on K's tile
+  // codes (in sm.k by then, swap_key_codes) with their one score unit.
+  KeyRows step_keys = kr;
+  if (whole_keys) step_keys.score[0] = step_keys.score[1] = sm.k_tile_unit;
   float s[kTileRegs], dp[kTileRegs];
   issue_score_products<kScore>(s, dp, sm, q_state.index, warpgroup);
 
@@ -204,10 +236,10 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   const bool masked = (kCausal && m0 < item.n0 + kBlockN) || item.n0 + kBlockN > item.length ||
                       m0 + kBlockM > item.length;
   if (masked) {
-    gradient_step<true, kCausal, kDiagnostics>(s, dp, rows, kr, quad, m0, item.length, ops,
+    gradient_step<true, kCausal, kDiagnostics>(s, dp, rows, step_keys, quad, m0, item.length, ops,
                                                query_max, diag);
   } else {
-    gradient_step<false, kCausal, kDiagnostics>(s, dp, rows, kr, quad, m0, item.length, ops,
+    gradient_step<false, kCausal, kDiagnostics>(s, dp, rows, step_keys, quad, m0, item.length, ops,
                                                 query_max, diag);
   }
   int* row_max = sm.row_max[step % kMaxBuffers];
@@ -281,11 +313,34 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       for (int i = 0; i < kTileRegs; ++i) dv[h][i] = dk[h][i] = 0.0f;
 
     const int tiles = (length + kBlockM - 1) / kBlockM;
+    const int first = first_query_tile(item.key_block, kCausal);
+    // The query tiles whose forward item saw the key block whole: from m_whole on (causal: a few
+    // tiles past the diagonal; otherwise all or none), S reads K's tile codes (whole_keys).
+    auto whole = [&](int m) {
+      return fwd::item_sees_tile_whole(length, m * kBlockM, item.key_block, kCausal);
+    };
+    int m_whole = tiles;
+    if constexpr (SmemLayout<kScore>::kKeyTiles) {
+      m_whole = first;
+      if (kCausal) {
+        while (m_whole < tiles && !whole(m_whole)) ++m_whole;
+      } else if (!whole(first)) {
+        m_whole = tiles;
+      }
+    }
     for (int hh = 0; hh < p.group; ++hh) {
       const StepItem si{begin, length, n0, item.kv_head * p.group + hh, item.doc, item.key_block};
-      for (int m = first_query_tile(item.key_block, kCausal); m < tiles; ++m, ++step)
-        backward_step<kScore, kCausal, kDiagnostics, kDq>(p, sm, warpgroup, si, m, step, kr,
-                                                          q_state, dv, dk, pending);
+      // Token codes up to m_whole, then the tile codes, exchanged into the one buffer the score
+      // products read (a per-step choice of buffer took their descriptors out of uniform
+      // registers: ~100 more instructions a step) and back for the next query head.
+      for (int m = first; m < tiles; ++m, ++step) {
+        if constexpr (SmemLayout<kScore>::kKeyTiles)
+          if (m == m_whole) swap_key_codes(sm, warpgroup);
+        backward_step<kScore, kCausal, kDiagnostics, kDq>(
+            p, sm, warpgroup, si, m, step, m >= m_whole, kr, q_state, dv, dk, pending);
+      }
+      if constexpr (SmemLayout<kScore>::kKeyTiles)
+        if (m_whole < tiles && hh + 1 < p.group) swap_key_codes(sm, warpgroup);
     }
     // The last dQ product has completed, so the key block's shared memory is free: the producer
     // loads the next item's keys and first query tiles while dK and dV go out from registers.

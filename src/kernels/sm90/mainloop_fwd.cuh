@@ -53,10 +53,10 @@ __device__ __forceinline__ void end_turn() {
 // Causal items start with the key tiles their 192 rows' diagonal crosses (two of 128 keys); the
 // non-causal ones with the tile holding the document's end. Those run the masked softmax.
 template <bool kCausal>
-constexpr int kMaskedTiles = kCausal ? (kBlockM + kBlockN - 1) / kBlockN : 1;
+constexpr int kMaskedTiles = masked_tiles(kCausal);
 
-// The other tiles are visible to every row of the item: they take V's tile codes (one exponent
-// per tile, flamia/quantize.h), so their softmax folds no per-key exponent.
+// The other tiles are visible to every row of the item (item_sees_tile_whole): they take K's and
+// V's tile codes (one exponent per tile each), so their softmax applies no per-key scale.
 template <bool kCausal>
 __device__ __forceinline__ bool visible_tile(int kb, int last) {
   return kb <= last - kMaskedTiles<kCausal>;
@@ -192,7 +192,13 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     // (from kb = last) are masked, a compile-time flag so that the loop carries no mask code.
     auto score_turn_tail = [&](auto masked, float(&s)[kAccRegs], int kb) {
       wgmma::wait_all(s);
-      if constexpr (kKeyScales) scale_columns(s, sm.kscale[k_state.index], quad);
+      // Masked tiles scale S's columns by the keys' own scales; visible ones (K's tile codes)
+      // share one, which joins the row factor.
+      float key_unit = 1.0f;
+      if constexpr (kKeyScales && decltype(masked)::value)
+        scale_columns(s, sm.kscale[k_state.index], quad);
+      if constexpr (kKeyScales && !decltype(masked)::value)
+        key_unit = sm.kscale[k_state.index].tile_unit;
       sm.k_pipe.warp_release(k_state);
       if (kb == 0) sm.q_pipe.warp_release(q_state);
       k_state.advance();
@@ -205,7 +211,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
         softmax_masked_tile<kFirstMask>(s, st, vs, quad, row, rows.m0 - n0, rows.length - n0,
                                         o_rescale);
       } else {
-        softmax_visible_tile(s, st, vs, o_rescale);
+        softmax_visible_tile(s, st, vs, key_unit, o_rescale);
       }
       pack_a_fragments<kKSlices>(s, a);
     };

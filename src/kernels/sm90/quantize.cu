@@ -126,7 +126,7 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     tiles += token_tiles * j.heads;
     if (pl.tokens == 0) {  // every array is empty but codes_t, which documents make all padding
       if (options.transposed && layout.tokens_t > 0) require_output(j.name, "codes_t", o.codes_t);
-      if (writes_tile_codes(options, j.id) && layout.tokens_t > 0)
+      if (writes_codes_t_tiles(options, j.id) && layout.tokens_t > 0)
         require_output(j.name, "codes_t_tiles", j.dst->codes_t_tiles);
       continue;
     }
@@ -136,8 +136,10 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     if (options.transposed) require_output(j.name, "codes_t", o.codes_t);
     if (policy == ScalePolicy::kVGroup16)
       require_output(j.name, "channel_exponents", o.channel_exponents);
-    if (writes_tile_codes(options, j.id))
+    if (writes_codes_t_tiles(options, j.id))
       require_output(j.name, "codes_t_tiles", j.dst->codes_t_tiles);
+    if (writes_codes_tiles(options, j.id))
+      require_output(j.name, "codes_tiles", j.dst->codes_tiles);
     if (j.nv != nullptr) {
       const std::string nv_name = std::string(j.name) + " (NVFP4)";
       require_output(nv_name.c_str(), "packed", o.nv_packed);
@@ -156,7 +158,7 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
       for (int i = 0; i < num_ops; ++i) {
         const size_t bytes = size_t(args.ops[i].heads) * pl.head_dim * layout.tokens_t;
         FLAMIA_CUDA_CHECK(cudaMemsetAsync(args.ops[i].codes_t, 0, bytes, stream));
-        if (writes_tile_codes(options, jobs[i].id))
+        if (writes_codes_t_tiles(options, jobs[i].id))
           FLAMIA_CUDA_CHECK(cudaMemsetAsync(jobs[i].dst->codes_t_tiles, 0, bytes, stream));
       }
     return;
@@ -178,7 +180,20 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     launch_for(pl.head_dim, rotate, args, int(tiles), stream);
   }
   for (int i = 0; i < num_ops; ++i) {
-    if (!writes_tile_codes(options, jobs[i].id)) continue;
+    if (writes_codes_tiles(options, jobs[i].id)) {
+      sm90::quant::KeyTileCodesArgs k;
+      k.codes = jobs[i].dst->codes;
+      k.exponents = jobs[i].dst->exponents;
+      k.tiles = jobs[i].dst->codes_tiles;
+      k.cu_seqlens = in.cu_seqlens;
+      k.num_docs = pl.num_docs;
+      k.heads = jobs[i].heads;
+      k.dim = pl.head_dim;
+      k.tokens = pl.tokens;
+      k.tokens_padded = layout.tokens_padded;
+      sm90::quant::launch_key_tile_codes(k, stream);
+    }
+    if (!writes_codes_t_tiles(options, jobs[i].id)) continue;
     sm90::quant::TileCodesArgs t;
     t.codes_t = jobs[i].dst->codes_t;
     t.exponents = jobs[i].dst->exponents;

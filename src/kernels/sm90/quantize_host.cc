@@ -13,13 +13,14 @@ namespace flamia {
 namespace cuda {
 
 QuantizeOutputs::E4M3 QuantizeOutputs::make_e4m3(const QuantLayout& l, bool codes, bool transposed,
-                                                 bool channel, bool tiles) {
+                                                 bool channel, bool tiles_t, bool tiles) {
   return {l,
           DeviceBuffer(codes ? size_t(l.num_codes()) : 0),
           DeviceBuffer(transposed ? size_t(l.num_codes_t()) : 0),
           DeviceBuffer(size_t(l.num_exponents())),
           DeviceBuffer(channel ? size_t(l.num_codes()) : 0),
-          DeviceBuffer(tiles ? size_t(l.num_codes_t()) : 0)};
+          DeviceBuffer(tiles_t ? size_t(l.num_codes_t()) : 0),
+          DeviceBuffer(tiles ? size_t(l.num_codes()) : 0)};
 }
 
 QuantizeOutputs::Nvfp4 QuantizeOutputs::make_nvfp4(const QuantLayout& l) {
@@ -34,19 +35,21 @@ QuantizeOutputs::QuantizeOutputs(const PackedLayout& pl, const QuantizeOptions& 
   const QuantLayout lq = QuantLayout::make(pl.tokens, pl.heads_q, pl.head_dim, pl.num_docs);
   const QuantLayout lkv = QuantLayout::make(pl.tokens, pl.heads_kv, pl.head_dim, pl.num_docs);
   const bool tr = options.transposed;
-  q_ = make_e4m3(lq, writes_codes(options, Operand::kQ), tr, false, false);
-  k_ = make_e4m3(lkv, writes_codes(options, Operand::kK), tr, false, false);
+  q_ = make_e4m3(lq, writes_codes(options, Operand::kQ), tr, false, false, false);
+  k_ = make_e4m3(lkv, writes_codes(options, Operand::kK), tr, false, false,
+                 writes_codes_tiles(options, Operand::kK));
   v_ = make_e4m3(lkv, writes_codes(options, Operand::kV), tr,
-                 options.policy == ScalePolicy::kVGroup16, writes_tile_codes(options, Operand::kV));
+                 options.policy == ScalePolicy::kVGroup16,
+                 writes_codes_t_tiles(options, Operand::kV), false);
   dout_ = make_e4m3(backward ? lq : QuantLayout{}, writes_codes(options, Operand::kDO), tr, false,
-                    false);
+                    false, false);
   q4_ = make_nvfp4(nvfp4_ ? lq : QuantLayout{});
   k4_ = make_nvfp4(nvfp4_ ? lkv : QuantLayout{});
   status_ = DeviceBuffer(kNumOperands * sizeof(int64_t));
   auto e4m3_view = [](const E4M3& o) {
-    return DeviceE4M3Operand{o.codes.get<uint8_t>(), o.codes_t.get<uint8_t>(),
-                             o.exponents.get<uint8_t>(), o.channel_exponents.get<uint8_t>(),
-                             o.codes_t_tiles.get<uint8_t>()};
+    return DeviceE4M3Operand{o.codes.get<uint8_t>(),         o.codes_t.get<uint8_t>(),
+                             o.exponents.get<uint8_t>(),     o.channel_exponents.get<uint8_t>(),
+                             o.codes_t_tiles.get<uint8_t>(), o.codes_tiles.get<uint8_t>()};
   };
   auto nvfp4_view = [](const Nvfp4& o) {
     return DeviceNvfp4Operand{o.packed.get<uint8_t>(), o.local_scales.get<uint8_t>(),
@@ -64,8 +67,8 @@ QuantizeOutputs::QuantizeOutputs(const PackedLayout& pl, const QuantizeOptions& 
 std::vector<const DeviceBuffer*> QuantizeOutputs::arrays() const {
   std::vector<const DeviceBuffer*> all;
   for (const E4M3* o : {&q_, &k_, &v_, &dout_})
-    for (const DeviceBuffer* b :
-         {&o->codes, &o->codes_t, &o->exponents, &o->channel_exponents, &o->codes_t_tiles})
+    for (const DeviceBuffer* b : {&o->codes, &o->codes_t, &o->exponents, &o->channel_exponents,
+                                  &o->codes_t_tiles, &o->codes_tiles})
       all.push_back(b);
   for (const Nvfp4* o : {&q4_, &k4_})
     for (const DeviceBuffer* b : {&o->packed, &o->local_scales, &o->exponents}) all.push_back(b);
@@ -95,6 +98,7 @@ QuantizedAttention QuantizeOutputs::download() const {
     o.exponents = b.exponents.download<uint8_t>();
     o.channel_exponents = b.channel_exponents.download<uint8_t>();
     o.codes_t_tiles = b.codes_t_tiles.download<uint8_t>();
+    o.codes_tiles = b.codes_tiles.download<uint8_t>();
     return o;
   };
   auto nvfp4 = [](const Nvfp4& b) {

@@ -24,14 +24,14 @@ class QuantizeOutputs {
  private:
   struct E4M3 {
     QuantLayout layout;
-    DeviceBuffer codes, codes_t, exponents, channel_exponents, codes_t_tiles;
+    DeviceBuffer codes, codes_t, exponents, channel_exponents, codes_t_tiles, codes_tiles;
   };
   struct Nvfp4 {
     QuantLayout layout;
     DeviceBuffer packed, local_scales, exponents;
   };
   static E4M3 make_e4m3(const QuantLayout& l, bool codes, bool transposed, bool channel,
-                        bool tiles);
+                        bool tiles_t, bool tiles);
   static Nvfp4 make_nvfp4(const QuantLayout& l);
   std::vector<const DeviceBuffer*> arrays() const;
 

@@ -107,18 +107,19 @@ __device__ __forceinline__ float exp_base(float m) {
 }
 
 // A fully visible tile. On return s holds P~ and o_rescale the factor that takes the running O
-// to the new max and reference exponent.
-// s holds u (key scales applied).
+// to the new max and reference exponent. s holds S on K's tile codes (or BF16 K), whose one key
+// scale is key_unit: u = S key_unit.
 __device__ __forceinline__ void softmax_visible_tile(float (&s)[kAccRegs], RowState& st,
-                                                     const ValueScales& vs,
+                                                     const ValueScales& vs, float key_unit,
                                                      float (&o_rescale)[kRows]) {
   float mx[kRows];
   row_maxima(s, mx);
   const int tile_ref = vs.tile_max;
-  float addend[kRows], lsum[kRows], undo[kRows];
+  float addend[kRows], lsum[kRows], undo[kRows], rf[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const float m_new = updated_max(st.m[r], mx[r], st.rf[r]);
+    rf[r] = st.rf[r] * key_unit;  // exact: a power of two
+    const float m_new = updated_max(st.m[r], mx[r], rf[r]);
     const int ref_new = max(st.ref[r], tile_ref);
     const int delta = max(tile_ref - ref_new, -kFoldFloorLog2);  // <= 0
     const float alpha = exp2_approx(st.m[r] - exp_base(m_new));
@@ -133,7 +134,7 @@ __device__ __forceinline__ void softmax_visible_tile(float (&s)[kAccRegs], RowSt
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) {
     const int r = acc_row_half(i);
-    s[i] = exp2_approx(fmaf(s[i], st.rf[r], addend[r]));
+    s[i] = exp2_approx(fmaf(s[i], rf[r], addend[r]));
     lsum[r] += s[i];
   }
 #pragma unroll
