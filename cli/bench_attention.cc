@@ -534,7 +534,7 @@ class Runner {
       const QuantizeOptions opt = FlamiaWorkload::quantize_options();
       const cuda::QuantizeOutputs out(x.layout(), opt, /*backward=*/true);
       const auto t = time([&](int set) { quantize_gpu(x.inputs(set), opt, out.view(), stream_); });
-      add(r, "flamia mxfp8", "quantize Q K V dO (one launch)", "packed", t, 0);
+      add(r, "flamia mxfp8", "quantize Q K V dO (quantize_gpu)", "packed", t, 0);
       r.quantize_ms = t.median_ms;
     }
     if (opt_.recipes.empty()) return;

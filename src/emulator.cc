@@ -119,11 +119,12 @@ TaskOperands Problem::operands(int doc, int head_q, bool backward) const {
   } else {
     ops.v = rows_from_e4m3(quant->v, head_kv, begin, n);
     ops.fold_v = quant->v.channel_exponents.empty();
-    // The kernels' tiles are kKeyTileTokens keys; other emulator tiles keep per-token codes.
-    if (ops.fold_v && config.forward.block_n == kKeyTileTokens) {
-      ops.v_tiles = tile_requantized(ops.v, kKeyTileTokens);
-      if (recipe == Recipe::kMxfp8) ops.sk_tiles = tile_requantized(ops.sk, kKeyTileTokens);
-    }
+    // The kernels' key tiles and blocks are kKeyTileTokens keys; other emulator tiles keep
+    // per-token codes (both passes alike, so the backward recomputes the forward's S).
+    const bool tiles =
+        config.forward.block_n == kKeyTileTokens && config.backward.block_n == kKeyTileTokens;
+    if (tiles && ops.fold_v) ops.v_tiles = tile_requantized(ops.v, kKeyTileTokens);
+    if (tiles && recipe == Recipe::kMxfp8) ops.sk_tiles = tile_requantized(ops.sk, kKeyTileTokens);
   }
   if (!backward) return ops;
 

@@ -53,7 +53,7 @@ void backward_task(const Problem& p, int doc, int head_q, const AttentionOutputs
       P(size_t(BM) * BN), dS(size_t(BM) * BN);
   // S as the forward formed it: from K's tile codes in the key tiles the forward's item saw whole.
   const ForwardItems items(L, p.config.forward, causal);
-  const bool k_tiles = !ops.sk_tiles.rm.empty() && p.config.forward.block_n == BN;
+  const bool k_tiles = !ops.sk_tiles.rm.empty();
   std::vector<float> tile(dim);
   std::vector<double> rowsum(L, 0.0), rowabs(L, 0.0);
 

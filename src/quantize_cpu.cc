@@ -329,9 +329,25 @@ void for_each_tile_shift(const E4M3Operand& o, const PackedLayout& pl, int h, F 
   }
 }
 
+// The tile codes need per-token exponents and the codes they requantize, on the operand's layout.
+void require_tile_inputs(const E4M3Operand& o, const PackedLayout& pl, size_t codes,
+                         const char* what) {
+  validate(pl);
+  const QuantLayout& l = o.layout;
+  const QuantLayout want = QuantLayout::make(pl.tokens, l.heads, l.dim, pl.num_docs);
+  if (!o.channel_exponents.empty())
+    throw Error(std::string(what) + ": the operand has per-channel exponents (vgroup16)");
+  if (l.tokens != want.tokens || l.tokens_t != want.tokens_t ||
+      o.exponents.size() != size_t(l.num_exponents()))
+    throw Error(std::string(what) + ": the operand's layout is not the packed layout's");
+  if (codes == 0 && l.num_codes() > 0)
+    throw Error(std::string(what) + ": the operand has no codes to requantize");
+}
+
 }  // namespace
 
 std::vector<uint8_t> make_codes_tiles(const E4M3Operand& k, const PackedLayout& pl) {
+  require_tile_inputs(k, pl, k.codes.size(), "make_codes_tiles");
   const QuantLayout& l = k.layout;
   std::vector<uint8_t> out(k.codes.size(), 0);
   for (int h = 0; h < l.heads; ++h)
@@ -344,6 +360,7 @@ std::vector<uint8_t> make_codes_tiles(const E4M3Operand& k, const PackedLayout& 
 }
 
 std::vector<uint8_t> make_codes_t_tiles(const E4M3Operand& v, const PackedLayout& pl) {
+  require_tile_inputs(v, pl, v.codes_t.size(), "make_codes_t_tiles");
   const QuantLayout& l = v.layout;
   std::vector<uint8_t> out(v.codes_t.size(), 0);  // positions without a token stay 0
   for (int h = 0; h < l.heads; ++h)

@@ -107,15 +107,18 @@ std::vector<double> operand_values(const AttentionBatch& b, Operand op, bool rot
   return out;
 }
 
+// All-zero groups take the smallest exponent (DESIGN §3 as amended in formats.h).
+constexpr int kRefZeroGroupExponent = -127;
+
 int ref_exponent_up(double amax, double max_code) {
-  if (amax == 0) return 0;
+  if (amax == 0) return kRefZeroGroupExponent;
   int e = -127;
   while (e < 127 && amax > max_code * std::ldexp(1.0, e)) ++e;
   return e;
 }
 
 int ref_exponent_floor(double amax) {
-  if (amax == 0) return 0;
+  if (amax == 0) return kRefZeroGroupExponent;
   return std::clamp(int(std::floor(std::log2(amax))) - 8, -127, 127);
 }
 
@@ -487,6 +490,25 @@ TEST(QuantizeTransposed, KeyTileCodesCarryEachKeysShiftToItsTilesLargestExponent
   QuantizeOptions qk16;
   qk16.score_codes = false;
   EXPECT_TRUE(quantize_cpu(b.inputs(), qk16).k.codes_tiles.empty());
+}
+
+// An all-zero token takes the smallest exponent, so it never sets a tile's maximum: in a tile of
+// small keys that share one exponent, zeroing one key leaves every other key's tile codes equal
+// to its token codes (with the zero token at exponent 0 they lost 17 binades, most of them to
+// zero).
+TEST(QuantizeTransposed, ZeroTokensDoNotSetTheTileExponent) {
+  AttentionBatch b = generate_batch({128}, 1, 1, 64, InputSpec{});
+  for (auto* x : {&b.k, &b.v})
+    for (size_t i = 0; i < x->size(); ++i)  // one exponent for every token: |x| in [1, 1.75) 2^-9
+      (*x)[i] = bf(std::ldexp((i % 2 ? -1.0 : 1.0) * (1.0 + double(i % 7) / 10.0), -9));
+  for (int d = 0; d < 64; ++d) b.k[size_t(40 * 64 + d)] = b.v[size_t(40 * 64 + d)] = bf(0.0);
+  const QuantizedAttention qa = quantize_cpu(b.inputs(), QuantizeOptions{});
+  EXPECT_EQ(qa.k.exponent(40, 0, 0), kZeroGroupExponent);
+  EXPECT_EQ(kZeroGroupExponent, ue8m0::kMinExponent);
+  EXPECT_LT(qa.k.exponent(0, 0, 0), 0);
+  EXPECT_TRUE(qa.k.codes_tiles == qa.k.codes);
+  EXPECT_TRUE(qa.v.codes_t_tiles == qa.v.codes_t);
+  EXPECT_GT(std::count(qa.k.codes.begin(), qa.k.codes.end(), uint8_t(0)), 0);
 }
 
 TEST(Quantize, Block32CountsBlocksFromEachDocumentStart) {

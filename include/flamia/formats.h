@@ -209,7 +209,10 @@ FLAMIA_HD uint8_t from_exponent(int e) {
 }  // namespace ue8m0
 
 // Scale-exponent rules (DESIGN §3). amax must be finite and non-negative.
-constexpr int kZeroGroupExponent = 0;  // all-zero groups: a fixed finite scale, zero codes
+// All-zero groups: zero codes at the smallest finite scale, so that a zero token never sets a
+// maximum over exponents that other tokens' codes or folds are taken against (a key tile's tile
+// codes, the forward's V reference exponent, dV's dO unit).
+constexpr int kZeroGroupExponent = ue8m0::kMinExponent;
 
 // Smallest e in [-127, 127] with amax / 2^e <= max_code: no code ever clamps.
 FLAMIA_HD int scale_exponent_up(float amax, float max_code) {
@@ -279,7 +282,8 @@ FLAMIA_HD float inverse_scale_e4m3_of_field(uint32_t field) {
 
 // 2^-scale_exponent_up_e4m3(amax), the multiplier that quantizes by that scale.
 FLAMIA_HD float inverse_scale_e4m3(float amax) {
-  return amax == 0.0f ? 1.0f : inverse_scale_e4m3_of_field(e4m3_scale_field(amax));
+  return amax == 0.0f ? exp2i(-kZeroGroupExponent)
+                      : inverse_scale_e4m3_of_field(e4m3_scale_field(amax));
 }
 
 // Baseline "floor" rule: the exponent that puts amax's leading bit at E4M3's largest binade, so

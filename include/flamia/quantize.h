@@ -225,7 +225,7 @@ FLAMIA_HD constexpr int tile_shift(int e, int tile_max) {
 }
 uint8_t tile_code(uint8_t code, int shift);
 // codes_t_tiles (codes_tiles) of an E4M3 operand with codes_t (codes) and exponents, one per
-// token, on `layout`.
+// token, on `layout`; throws Error on an operand without them or of another layout.
 std::vector<uint8_t> make_codes_t_tiles(const E4M3Operand& v, const PackedLayout& layout);
 std::vector<uint8_t> make_codes_tiles(const E4M3Operand& k, const PackedLayout& layout);
 

@@ -4,7 +4,8 @@
 // One launch quantizes the present operands of Q, K, V and dO (those whose input pointer is
 // non-null: the forward passes Q, K and V, the training call's backward dO alone) under any scale
 // policy, with the optional Hadamard rotation and NVFP4 Q/K; the `tensor` policy adds one launch
-// before it for the tensor maxima (of the present operands only). quantize_gpu validates on the
+// before it for the tensor maxima (of the present operands only), and K's and V's tile codes take
+// one launch each after it (they re-read the codes it wrote). quantize_gpu validates on the
 // host, then only enqueues work on `stream`: it never synchronises with the host.
 #pragma once
 

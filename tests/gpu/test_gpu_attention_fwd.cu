@@ -800,6 +800,19 @@ TEST(GpuAttentionFwd, RejectsBadArgumentsBeforeEnqueuing) {
     qv.v.codes_t += 1;
     expect_error(tag + "misaligned V codes_t",
                  [&] { attention.forward(in.in, qv, out.out, nullptr); }, {"V", "align"});
+    // And the tile codes of the visible tiles: V's always, K's for mxfp8's score product.
+    qv = quant.view();
+    qv.v.codes_t_tiles = nullptr;
+    expect_error(tag + "null V codes_t_tiles",
+                 [&] { attention.forward(in.in, qv, out.out, nullptr); },
+                 {"codes_t_tiles", "null"});
+    if (r == kMx) {
+      qv = quant.view();
+      qv.k.codes_tiles += 1;
+      expect_error(tag + "misaligned K codes_tiles",
+                   [&] { attention.forward(in.in, qv, out.out, nullptr); },
+                   {"codes_tiles", "align"});
+    }
     FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
     // Nothing was enqueued: the outputs still hold their poison.
     const std::vector<uint16_t> o_bits = out.o.download<uint16_t>();

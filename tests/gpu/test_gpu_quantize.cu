@@ -544,7 +544,8 @@ TEST(GpuQuantize, RejectsBadArguments) {
   o.v.exponents += 1;
   expect_error(run(good.in, o, opt), "V output 'exponents' is not 16-byte aligned");
 
-  // V's tile codes, which every policy but vgroup16 writes beside codes_t.
+  // K's and V's tile codes: K's beside its codes, V's beside codes_t under every policy but
+  // vgroup16.
   QuantizeOptions token;
   DeviceQuantizedAttention k_tiles = out;
   k_tiles.k.codes_tiles = nullptr;

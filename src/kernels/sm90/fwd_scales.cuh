@@ -1,5 +1,6 @@
 // Per-key scale vectors of one key tile, staged in shared memory by the producer warp (DESIGN §2):
-// the K scales multiply S's columns; the V exponents fold into P~ relative to a reference exponent.
+// the K scales multiply S's columns (a masked tile's; a visible tile's S is on K's tile codes,
+// whose one scale is tile_unit); the V exponents fold into P~ relative to a reference exponent.
 //
 // Each lane reads the UE8M0 codes of kKeysPerLane consecutive keys from global memory (before it
 // waits for the stage, so the latency overlaps the wait), converts them, and writes them next to

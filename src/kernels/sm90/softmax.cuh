@@ -1,6 +1,7 @@
 // Online softmax of one key tile on the S = Q K^T accumulator fragment (DESIGN §4; the algorithm
 // of flamia/emulator.h, step for step):
-//   u_ij = S_ij * 2^e_k(j)                     K scale of the column (mxfp8 only)
+//   u_ij = S_ij * 2^e_k(j)                     K scale of the column (mxfp8 only; on K's tile
+//                                              codes one per tile, in the row factor)
 //   m_i  = running max of u_ij * rf_i           rf_i = softmax scale * log2(e) * 2^e_q(i)
 //   P_ij = 2^(u_ij rf_i - m_i + 8) <= 2^8       the E4M3 budget's offset
 //   R_i  = running max of the visible e_v(j);  P~_ij = P_ij * 2^(e_v(j) - R_i) <= 2^8 < 448

@@ -1,6 +1,7 @@
 // The backward's elementwise stage on a consumer warpgroup's S^T and dP^T accumulators (64 keys x
 // 64 queries; DESIGN §2, §4, the algorithm of flamia/emulator.h):
-//   P_ij   = 2^(S_ij 2^e_k(j) rf_i - LSE_i log2 e)       the forward's exp2 (ex2.approx)
+//   P_ij   = 2^(S_ij 2^e_k(j) rf_i - LSE_i log2 e)       the forward's exp2 (ex2.approx); on K's
+//                                                        tile codes e_k(j) is the block's largest
 //   dS_ij  = P_ij (dP_ij 2^e_dO(i) 2^e_v(j) - D_i)
 //   dV's A operand: E4M3(P_ij 2^(e_dO(i) - C + 8))^T      the dO scale folded into P^T
 //   dK's A operand: E4M3(dS_ij 2^e_q(i) / 2^ec_j)^T       ec_j: key j's scale over the tile's rows
