@@ -301,16 +301,8 @@ Nvfp4Operand quantize_nvfp4(const RowReader& reader, const PackedLayout& pl, int
   return out;
 }
 
-}  // namespace
-
-uint8_t tile_code(uint8_t code, int shift) {
-  return e4m3::encode(e4m3::decode(code) * exp2i(shift));
-}
-
-namespace {
-
-// Calls f(token, shift) for every token of every document, shift = tile_shift of its exponent
-// against its tile's largest, per head.
+// Calls f(document, document-relative token, shift) for every token of every document, shift =
+// tile_shift of its exponent in head h against its tile's largest.
 template <typename F>
 void for_each_tile_shift(const E4M3Operand& o, const PackedLayout& pl, int h, F f) {
   const QuantLayout& l = o.layout;
@@ -345,6 +337,10 @@ void require_tile_inputs(const E4M3Operand& o, const PackedLayout& pl, size_t co
 }
 
 }  // namespace
+
+uint8_t tile_code(uint8_t code, int shift) {
+  return e4m3::encode(e4m3::decode(code) * exp2i(shift));
+}
 
 std::vector<uint8_t> make_codes_tiles(const E4M3Operand& k, const PackedLayout& pl) {
   require_tile_inputs(k, pl, k.codes.size(), "make_codes_tiles");

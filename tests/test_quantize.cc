@@ -364,6 +364,16 @@ int ref_e4m3_code(double x) {
          (std::signbit(x) ? 0x80 : 0);
 }
 
+// Token t's exponent in head h (UE8M0, bias 127), and the largest over tokens [n0, n1).
+int ref_exponent(const E4M3Operand& o, int h, int64_t t) {
+  return int(o.exponents[size_t(h * o.layout.tokens_padded + t)]) - 127;
+}
+int ref_tile_max(const E4M3Operand& o, int h, int64_t n0, int64_t n1) {
+  int top = -1000;
+  for (int64_t j = n0; j < n1; ++j) top = std::max(top, ref_exponent(o, h, j));
+  return top;
+}
+
 // V's tile codes (quantize.h): every document-relative tile of kKeyTileTokens keys is requantized
 // to its largest exponent, checked against the reference E4M3 grid (nearest code, ties even) in
 // double; positions without a token stay 0; a tile's codes depend on its own keys alone; only V
@@ -392,11 +402,8 @@ TEST(QuantizeTransposed, ValueTileCodesCarryEachKeysShiftToItsTilesLargestExpone
         token_at[size_t(pos[t])] = true;
         const int64_t n0 = begin + (t - begin) / 128 * 128, n1 = std::min(n0 + 128, end);
         for (int h = 0; h < 2; ++h) {
-          int tile_max = -1000;
-          for (int64_t j = n0; j < n1; ++j)
-            tile_max =
-                std::max(tile_max, int(v.exponents[size_t(h * v.layout.tokens_padded + j)]) - 127);
-          const int e = int(v.exponents[size_t(h * v.layout.tokens_padded + t)]) - 127;
+          const int tile_max = ref_tile_max(v, h, n0, n1);
+          const int e = ref_exponent(v, h, t);
           shifted += e < tile_max;
           for (int d = 0; d < 64; ++d) {
             const size_t at = size_t((int64_t(h) * 64 + d) * tt + pos[t]);
@@ -469,16 +476,12 @@ TEST(QuantizeTransposed, KeyTileCodesCarryEachKeysShiftToItsTilesLargestExponent
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n0 = begin + (t - begin) / 128 * 128, n1 = std::min(n0 + 128, end);
         for (int h = 0; h < 2; ++h) {
-          auto exponent = [&](int64_t j) {
-            return int(k.exponents[size_t(h * k.layout.tokens_padded + j)]) - 127;
-          };
-          int tile_max = -1000;
-          for (int64_t j = n0; j < n1; ++j) tile_max = std::max(tile_max, exponent(j));
-          shifted += exponent(t) < tile_max;
+          const int tile_max = ref_tile_max(k, h, n0, n1);
+          const int e = ref_exponent(k, h, t);
+          shifted += e < tile_max;
           for (int d = 0; d < 64; ++d) {
             const size_t at = size_t((t * 2 + h) * 64 + d);
-            const double want =
-                std::ldexp(testref::e4m3_value(k.codes[at]), exponent(t) - tile_max);
+            const double want = std::ldexp(testref::e4m3_value(k.codes[at]), e - tile_max);
             ASSERT_EQ(int(k.codes_tiles[at]), ref_e4m3_code(want))
                 << "token " << t << " head " << h << " dim " << d;
           }

@@ -180,31 +180,26 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     launch_for(pl.head_dim, rotate, args, int(tiles), stream);
   }
   for (int i = 0; i < num_ops; ++i) {
-    if (writes_codes_tiles(options, jobs[i].id)) {
-      sm90::quant::KeyTileCodesArgs k;
-      k.codes = jobs[i].dst->codes;
-      k.exponents = jobs[i].dst->exponents;
-      k.tiles = jobs[i].dst->codes_tiles;
-      k.cu_seqlens = in.cu_seqlens;
-      k.num_docs = pl.num_docs;
-      k.heads = jobs[i].heads;
-      k.dim = pl.head_dim;
-      k.tokens = pl.tokens;
-      k.tokens_padded = layout.tokens_padded;
-      sm90::quant::launch_key_tile_codes(k, stream);
-    }
-    if (!writes_codes_t_tiles(options, jobs[i].id)) continue;
+    const DeviceE4M3Operand& dst = *jobs[i].dst;
     sm90::quant::TileCodesArgs t;
-    t.codes_t = jobs[i].dst->codes_t;
-    t.exponents = jobs[i].dst->exponents;
-    t.tiles = jobs[i].dst->codes_t_tiles;
+    t.exponents = dst.exponents;
     t.cu_seqlens = in.cu_seqlens;
     t.num_docs = pl.num_docs;
     t.heads = jobs[i].heads;
     t.dim = pl.head_dim;
+    t.tokens = pl.tokens;
     t.tokens_padded = layout.tokens_padded;
     t.tokens_t = layout.tokens_t;
-    sm90::quant::launch_tile_codes(t, stream);
+    if (writes_codes_tiles(options, jobs[i].id)) {
+      t.codes = dst.codes;
+      t.tiles = dst.codes_tiles;
+      sm90::quant::launch_key_tile_codes(t, stream);
+    }
+    if (writes_codes_t_tiles(options, jobs[i].id)) {
+      t.codes = dst.codes_t;
+      t.tiles = dst.codes_t_tiles;
+      sm90::quant::launch_value_tile_codes(t, stream);
+    }
   }
 }
 

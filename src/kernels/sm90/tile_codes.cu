@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kTileThreads)
   for (int d = int(threadIdx.x) / kChunksPerRow; d < a.dim; d += kTileThreads / kChunksPerRow) {
     const int64_t at = (int64_t(h) * a.dim + d) * a.tokens_t + first + chunk * kChunkBytes;
     if (first + chunk * kChunkBytes >= a.tokens_t) break;
-    uint4 in = *reinterpret_cast<const uint4*>(a.codes_t + at);
+    uint4 in = *reinterpret_cast<const uint4*>(a.codes + at);
     uint32_t* w = &in.x;
 #pragma unroll
     for (int k = 0; k < 4; ++k)
@@ -119,7 +119,7 @@ constexpr int kReach = kKeyTileTokens - 1;
 constexpr int kWindow = kKeyWarpTokens + 2 * kReach;
 
 __global__ void __launch_bounds__(kTileThreads)
-    key_tile_codes_kernel(const __grid_constant__ KeyTileCodesArgs a) {
+    key_tile_codes_kernel(const __grid_constant__ TileCodesArgs a) {
   __shared__ int16_t window[kKeyWarps][kWindow + 1];
   const int h = int(blockIdx.y);
   const int warp = int(threadIdx.x / kWarpThreads), lane = int(lane_index());
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kTileThreads)
 
 }  // namespace
 
-void launch_key_tile_codes(const KeyTileCodesArgs& args, cudaStream_t stream) {
+void launch_key_tile_codes(const TileCodesArgs& args, cudaStream_t stream) {
   if (args.tokens == 0 || args.heads == 0) return;
   constexpr int64_t kCtaTokens = kKeyWarps * kKeyWarpTokens;
   const dim3 grid(unsigned((args.tokens + kCtaTokens - 1) / kCtaTokens), unsigned(args.heads));
@@ -170,7 +170,7 @@ void launch_key_tile_codes(const KeyTileCodesArgs& args, cudaStream_t stream) {
   FLAMIA_CUDA_CHECK_LAUNCH();
 }
 
-void launch_tile_codes(const TileCodesArgs& args, cudaStream_t stream) {
+void launch_value_tile_codes(const TileCodesArgs& args, cudaStream_t stream) {
   if (args.tokens_t == 0 || args.heads == 0) return;
   const dim3 grid(unsigned((args.tokens_t + kCtaPositions - 1) / kCtaPositions),
                   unsigned(args.heads));

@@ -8,27 +8,18 @@
 
 namespace flamia::sm90::quant {
 
+// One operand's pass: `codes` are K's codes [T][H][D] or V's codes_t [H][D][Tt], `tiles` the
+// array of the same shape that receives the tile codes.
 struct TileCodesArgs {
-  const uint8_t* codes_t = nullptr;    // [H][D][Tt]
+  const uint8_t* codes = nullptr;
   const uint8_t* exponents = nullptr;  // [H][Tp]
-  uint8_t* tiles = nullptr;            // [H][D][Tt]: codes_t_tiles
+  uint8_t* tiles = nullptr;
   const int32_t* cu_seqlens = nullptr;
   int num_docs = 0, heads = 0, dim = 0;
-  int64_t tokens_padded = 0, tokens_t = 0;
+  int64_t tokens = 0, tokens_padded = 0, tokens_t = 0;
 };
 
-void launch_tile_codes(const TileCodesArgs& args, cudaStream_t stream);
-
-// K's codes_tiles from its codes ([T][H][D]) and exponents.
-struct KeyTileCodesArgs {
-  const uint8_t* codes = nullptr;      // [T][H][D]
-  const uint8_t* exponents = nullptr;  // [H][Tp]
-  uint8_t* tiles = nullptr;            // [T][H][D]: codes_tiles
-  const int32_t* cu_seqlens = nullptr;
-  int num_docs = 0, heads = 0, dim = 0;
-  int64_t tokens = 0, tokens_padded = 0;
-};
-
-void launch_key_tile_codes(const KeyTileCodesArgs& args, cudaStream_t stream);
+void launch_key_tile_codes(const TileCodesArgs& args, cudaStream_t stream);    // K's codes_tiles
+void launch_value_tile_codes(const TileCodesArgs& args, cudaStream_t stream);  // V's codes_t_tiles
 
 }  // namespace flamia::sm90::quant
