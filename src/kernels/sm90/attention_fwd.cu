@@ -145,6 +145,7 @@ void GpuAttention::Impl::forward(const DeviceAttentionInputs& in,
   p.o = out.o.data;
   p.o_stride_token = out.o.stride_token;
   p.o_stride_head = out.o.stride_head;
+  p.wide_stores = bf16_stores_of(out.o, sm90::kWideStoreElems);
   p.lse = out.lse;
   p.tokens = pl.tokens;
   p.group = pl.group();

@@ -29,10 +29,12 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
 // single words with lane q ^ 1. Only the quad's lanes take part, so a quad may skip its row. The
 // lane comes from %laneid: of the forms measured, this one left the backward's step loop its best
 // schedule (ptxas re-schedules that loop for any change here; docs/PERF.md, item 91).
+template <bool kWholeWarp = false>
 __device__ __forceinline__ uint4 quad_transpose(const uint32_t (&w)[kQuadLanes]) {
   uint32_t lane;
   asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
-  const unsigned quad_mask = ((1u << kQuadLanes) - 1) << (lane & ~(kQuadLanes - 1u));
+  const unsigned quad_mask =
+      kWholeWarp ? 0xFFFFFFFFu : ((1u << kQuadLanes) - 1) << (lane & ~(kQuadLanes - 1u));
   const bool high = lane & 2, odd = lane & 1;
   const uint32_t s0 = __shfl_xor_sync(quad_mask, high ? w[0] : w[2], 2);
   const uint32_t s1 = __shfl_xor_sync(quad_mask, high ? w[1] : w[3], 2);
@@ -41,6 +43,11 @@ __device__ __forceinline__ uint4 quad_transpose(const uint32_t (&w)[kQuadLanes])
   const uint32_t t0 = __shfl_xor_sync(quad_mask, odd ? c0 : c1, 1);
   const uint32_t t1 = __shfl_xor_sync(quad_mask, odd ? c2 : c3, 1);
   return make_uint4(odd ? t0 : c0, odd ? c1 : t0, odd ? t1 : c2, odd ? c3 : t1);
+}
+
+// The same, called by the whole warp (full-mask shuffles: no convergence scope around them).
+__device__ __forceinline__ uint4 quad_transpose_warp(const uint32_t (&w)[kQuadLanes]) {
+  return quad_transpose<true>(w);
 }
 
 }  // namespace flamia::sm90

@@ -89,7 +89,8 @@ struct Params {
   int64_t tokens_padded = 0;             // Tp
   uint16_t* o = nullptr;                 // BF16 bits, element strides below
   int64_t o_stride_token = 0, o_stride_head = 0;
-  float* lse = nullptr;  // [Hq][T]
+  bool wide_stores = false;  // O takes 16-byte stores (bf16_rows.cuh)
+  float* lse = nullptr;      // [Hq][T]
   int64_t tokens = 0;
   int group = 1;            // query heads per key/value head
   float scale_log2 = 0.0f;  // softmax scale * log2(e)
