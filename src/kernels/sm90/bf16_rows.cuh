@@ -1,8 +1,9 @@
-// 16-byte BF16 row stores from a wgmma accumulator fragment (the backward's dK and dV). There a
-// thread holds, per row and 8-column group, 2 adjacent columns: stored as they are, each warp
-// store writes 8 rows x 16 B, half sectors, 4 bytes a lane. A 4 x 4 word transpose over the quad
-// (the 4 lanes of a row, two shuffle rounds) gives each lane 8 adjacent columns instead: 16 bytes
-// a lane, 8 rows x 64 B (whole sectors) a warp store, a quarter of the store instructions.
+// 16-byte BF16 row stores from a wgmma accumulator fragment (the backward's dK and dV, the
+// forward's O). There a thread holds, per row and 8-column group, 2 adjacent columns: stored as
+// they are, each warp store writes 8 rows x 16 B, half sectors, 4 bytes a lane. A 4 x 4 word
+// transpose over the quad (the 4 lanes of a row, two shuffle rounds) gives each lane 8 adjacent
+// columns instead: 16 bytes a lane, 8 rows x 64 B (whole sectors) a warp store, a quarter of the
+// store instructions.
 #pragma once
 
 #include <cuda_bf16.h>
