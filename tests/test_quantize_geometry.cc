@@ -282,6 +282,54 @@ TEST(QuantizeGeometry, RandomLayoutsWriteEveryTransposedByteOnceAndRight) {
   EXPECT_GT(total.gathered_tiles, 0);
 }
 
+// tiles_are_key_tiles (the quantizer then writes the tile codes from its own tiles): where it
+// holds, every tile's span is aligned and the tile is one document's key tile; on layouts built to
+// hold it, it does; one empty document before a non-empty one, a start off the key tiles, a
+// partial last group or head dim 64 each turn it off.
+TEST(QuantizeGeometry, KeyTileLayoutsGiveEveryTileOneKeyTile) {
+  using G = Geometry<128>;
+  static_assert(G::kTileTokens == kKeyTileTokens, "a 128-dim tile is a key tile");
+  auto holds = [](const std::vector<int64_t>& lengths, int dim) {
+    const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
+    return tiles_are_key_tiles(cu.data(), int(lengths.size()), cu.back(), dim);
+  };
+  const std::vector<std::vector<int64_t>> key_tile_layouts = {
+      {1024}, {128, 256, 384, 48}, {256, 128, 0, 0}, {128, 128, 16}, {0}};
+  for (const auto& lengths : key_tile_layouts)
+    EXPECT_TRUE(holds(lengths, 128)) << describe(lengths);
+  EXPECT_FALSE(holds({128, 0, 256}, 128));
+  EXPECT_FALSE(holds({0, 128}, 128));
+  EXPECT_FALSE(holds({64, 128}, 128));
+  EXPECT_FALSE(holds({128, 40}, 128));
+  EXPECT_FALSE(holds({1024}, 64));
+
+  std::vector<std::vector<int64_t>> layouts = edge_layouts();
+  const std::vector<std::vector<int64_t>> random = random_layouts(300, 128);
+  layouts.insert(layouts.end(), random.begin(), random.end());
+  layouts.insert(layouts.end(), key_tile_layouts.begin(), key_tile_layouts.end());
+  int checked = 0;
+  for (const auto& lengths : layouts) {
+    if (!holds(lengths, 128)) continue;
+    SCOPED_TRACE(describe(lengths));
+    const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
+    const int num_docs = int(lengths.size()), tokens = cu.back();
+    Tally tally;
+    const CheckedOffsets global{&cu, &tally};
+    for (int t0 = 0; t0 < tokens; t0 += G::kTileTokens) {
+      const int t_end = std::min(t0 + G::kTileTokens, tokens);
+      int32_t window[kWindowDocs];
+      const TransposedSpan s = find_span(SerialLanes{}, global, window, num_docs, tokens,
+                                         transposed_tokens(tokens, num_docs), t0, t_end);
+      EXPECT_TRUE(s.aligned) << "tile at " << t0;
+      EXPECT_EQ((t0 - cu[size_t(s.doc_lo)]) % kKeyTileTokens, 0) << "tile at " << t0;
+      EXPECT_GE(cu[size_t(s.doc_lo) + 1], t_end) << "tile at " << t0;
+      ++checked;
+    }
+    EXPECT_EQ(tally.bad_reads, 0);
+  }
+  EXPECT_GT(checked, 20);
+}
+
 // The warp-wide search against a plain count, for documents around its 32-ary rounds.
 TEST(QuantizeGeometry, WarpSearchCountsTheDocumentsEndingByAToken) {
   for (int num_docs : {1, 2, 31, 32, 33, 1023, 1024, 1025, 40000}) {

@@ -493,6 +493,36 @@ TEST(GpuQuantize, TransposedLayoutOnUnalignedAndEmptyDocuments) {
   expect_same(quantize_cpu(empty.inputs(), QuantizeOptions{}), gpu);
 }
 
+// Layouts whose quantizer tiles are the key tiles (quantize_geometry.h, tiles_are_key_tiles): at
+// head dim 128 the quantizer writes K's and V's tile codes itself, with no tile pass; at 64, and on
+// the layouts beside them that miss the condition by one document, the passes do. Every policy,
+// rotated or not, outputs poisoned with 0xFF (E4M3 NaN) first.
+TEST(GpuQuantize, KeyTileLayoutsTakeTheTileCodesFromTheQuantizer) {
+  FLAMIA_REQUIRE_GPU();
+  constexpr uint8_t kNaNPoison = 0xFF;
+  const std::vector<std::vector<int64_t>> layouts = {
+      {1024}, {128, 256, 384, 48}, {256, 128, 0, 0}, {128, 0, 256}, {384, 200}};
+  for (const int dim : {64, 128}) {
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      SCOPED_TRACE("dim " + std::to_string(dim) + ", layout " + std::to_string(i));
+      const AttentionBatch b = make_batch(layouts[i], dim, 70 + i, false);
+      for (ScalePolicy p : kAllScalePolicies) {
+        for (const bool hadamard : {false, true}) {
+          SCOPED_TRACE(std::string(to_string(p)) + (hadamard ? ", rotated" : ""));
+          QuantizeOptions opt;
+          opt.policy = p;
+          opt.hadamard = hadamard;
+          const QuantizedAttention gpu = run_gpu(b, opt, Arrangement::kDense, true, kNaNPoison);
+          expect_same(quantize_cpu(b.inputs(), opt), gpu);
+          EXPECT_EQ(std::count(gpu.v.codes_t_tiles.begin(), gpu.v.codes_t_tiles.end(), kNaNPoison),
+                    0);
+          EXPECT_EQ(std::count(gpu.k.codes_tiles.begin(), gpu.k.codes_tiles.end(), kNaNPoison), 0);
+        }
+      }
+    }
+  }
+}
+
 TEST(GpuQuantize, RejectsBadArguments) {
   FLAMIA_REQUIRE_GPU();
   const AttentionBatch b = make_batch({10, 20}, 64, 8, false);

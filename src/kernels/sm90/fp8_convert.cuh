@@ -30,6 +30,16 @@ __device__ __forceinline__ uint32_t e4m3x4_rn_satfinite(float x0, float x1, floa
   return e4m3x2_rn_satfinite(x0, x1) | (e4m3x2_rn_satfinite(x2, x3) << 16);
 }
 
+// The four E4M3 codes of a word, each times its factor (a power of two, at most 1), rounded: the
+// tile codes of flamia/quantize.h.
+__device__ __forceinline__ uint32_t e4m3x4_scaled(uint32_t w, float f0, float f1, float f2,
+                                                  float f3) {
+  const float2 lo = e4m3x2_to_float2(uint16_t(w));
+  const float2 hi = e4m3x2_to_float2(uint16_t(w >> 16));
+  return e4m3x2_rn_satfinite(lo.x * f0, lo.y * f1) |
+         (e4m3x2_rn_satfinite(hi.x * f2, hi.y * f3) << 16);
+}
+
 // E4M3 register A fragments (wgmma m64k32, four b32 per slice) from an f32 accumulator fragment
 // whose columns are the next product's K index; slice k holds columns 32k..32k+31. No shuffle: a
 // thread's accumulator columns {2t, 2t+1, 2t+8, 2t+9} of each 16 become its fragment bytes

@@ -31,6 +31,25 @@ FLAMIA_HD constexpr int tile_tokens(int dim) {
 
 constexpr int kGroup = kTransposedGroup;
 
+// Whether every tile of the quantizer is one document-relative key tile (kKeyTileTokens) whose
+// span of codes_t is aligned (find_span below), so that it can write K's and V's tile codes from
+// its own codes: head dim 128 (128-token tiles), every document starting at a multiple of
+// kKeyTileTokens, no empty one before a non-empty one (an empty document at a tile's start would
+// hold its first token), whole 16-token groups to the end. Host: cu_seqlens in host memory.
+inline bool tiles_are_key_tiles(const int32_t* cu_seqlens, int num_docs, int64_t tokens, int dim) {
+  if (tile_tokens(dim) != kKeyTileTokens || tokens % kGroup != 0) return false;
+  bool empty_seen = false;
+  for (int b = 0; b < num_docs; ++b) {
+    if (cu_seqlens[b] % kKeyTileTokens != 0) return false;
+    if (cu_seqlens[b + 1] == cu_seqlens[b]) {
+      empty_seen = true;
+    } else if (empty_seen) {
+      return false;
+    }
+  }
+  return true;
+}
+
 template <int kDim>
 struct Geometry {
   static constexpr int kTileTokens = tile_tokens(kDim);

@@ -29,6 +29,9 @@
 //      tile) from the window: no read of cu_seqlens unless the tile touches 32 documents;
 //   B  codes (hardware RNE conversion, proven equal to e4m3::encode), NVFP4 nibbles and local
 //      scales, and the transposed words (tile token order) into a swizzled shared tile;
+//   T  (fused_tiles: each tile one document-relative key tile) K's codes_tiles and V's
+//      codes_t_tiles from the codes just made, at the tile's largest exponent, beside them in B
+//      and S (the tile passes of tile_codes.h otherwise);
 //   S  codes_t, per chunk of the span and dim: an aligned span copies aligned vectors of the
 //      shared tile in slot order (16-byte stores, as when codes_t had no document positions) and
 //      zeroes the gaps after a document ending at the tile's end; another span gathers each
@@ -68,6 +71,11 @@ struct OperandArgs {
   uint8_t* nv_packed = nullptr;  // null: no NVFP4 for this operand
   uint8_t* nv_scales = nullptr;
   uint8_t* nv_exponents = nullptr;
+  // K's codes_tiles and V's codes_t_tiles where this kernel writes them: when every tile is one
+  // document-relative key tile with an aligned span of codes_t (tiles_are_key_tiles); null
+  // otherwise.
+  uint8_t* codes_tiles = nullptr;
+  uint8_t* codes_t_tiles = nullptr;
   int first_tile = 0;  // this operand's tiles are [first_tile, next operand's first_tile)
   int slot = 0;        // its Operand index in the status array (ops holds present operands only)
 };
@@ -88,8 +96,11 @@ template <int kDim>
 struct Smem {
   using G = Geometry<kDim>;
   uint32_t transposed[kDim][G::kTileWords];  // swizzled, see transposed_swizzle
-  alignas(kVectorBytes) uint8_t channel_exps[G::kTileTokens][kDim];  // vgroup16's V
-  float row_amax[kBlockHalo + G::kTileTokens + kBlockHalo];          // index kBlockHalo + t - t0
+  union {
+    alignas(kVectorBytes) uint8_t channel_exps[G::kTileTokens][kDim];  // vgroup16's V
+    uint32_t transposed_tiles[kDim][G::kTileWords];  // codes_t_tiles' words (V of other policies)
+  };
+  float row_amax[kBlockHalo + G::kTileTokens + kBlockHalo];  // index kBlockHalo + t - t0
   alignas(kVectorBytes) uint8_t exps[G::kTileTokens];
   alignas(kVectorBytes) uint8_t nv_exps[G::kTileTokens];
   int group_begin[G::kTileTokens], group_end[G::kTileTokens];  // vgroup16: tokens - t0
@@ -457,15 +468,41 @@ __device__ __forceinline__ void token_exponents(const KernelArgs& a, int opi, Sm
 // The thread's rows of one pass, quantized: one E4M3 exponent per row (e) or, for vgroup16's V,
 // per element from shared memory; NVFP4 with the rows' token exponent codes (nv); codes to global
 // memory, transposed words to shared memory.
+// The words of 4 tokens' codes (a pass's rows of one lane) as 8 dims' words of codes_t (4 tokens
+// each) into the shared tile.
+template <int kDim>
+__device__ __forceinline__ void store_transposed_words(uint32_t (*tile)[Geometry<kDim>::kTileWords],
+                                                       const uint32_t (&codes)[kQuadTokens][2],
+                                                       int c, int col) {
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    const uint32_t lo01 = __byte_perm(codes[0][w], codes[1][w], kPermInterleaveLow);
+    const uint32_t hi01 = __byte_perm(codes[0][w], codes[1][w], kPermInterleaveHigh);
+    const uint32_t lo23 = __byte_perm(codes[2][w], codes[3][w], kPermInterleaveLow);
+    const uint32_t hi23 = __byte_perm(codes[2][w], codes[3][w], kPermInterleaveHigh);
+    const uint32_t dims[kBytesPerWord] = {
+        __byte_perm(lo01, lo23, kPermLowHalves), __byte_perm(lo01, lo23, kPermHighHalves),
+        __byte_perm(hi01, hi23, kPermLowHalves), __byte_perm(hi01, hi23, kPermHighHalves)};
+#pragma unroll
+    for (int j = 0; j < kBytesPerWord; ++j) {
+      const int d = c * kChunkElems + w * kBytesPerWord + j;
+      tile[d][col ^ transposed_swizzle<kDim>(d)] = dims[j];
+    }
+  }
+}
+
+// tile_max: the tile's largest exponent, for the tile codes (OperandArgs::codes_tiles,
+// codes_t_tiles).
 template <int kDim>
 __device__ __forceinline__ void emit_pass(const OperandArgs& op, Smem<kDim>& sm, int p,
                                           const float (&x)[kQuadTokens][kChunkElems],
                                           const int (&e)[kQuadTokens],
                                           const uint8_t (&nv)[kQuadTokens], int h, int t0,
-                                          int t_end, int c, int group) {
+                                          int t_end, int c, int group, int tile_max) {
   using G = Geometry<kDim>;
   const bool channel_scales = op.policy == ScalePolicy::kVGroup16;
-  uint32_t codes[kQuadTokens][2];
+  const bool tile_codes = op.codes_tiles != nullptr || op.codes_t_tiles != nullptr;
+  uint32_t codes[kQuadTokens][2], tiles[kQuadTokens][2];
 #pragma unroll
   for (int r = 0; r < kQuadTokens; ++r) {
     const int i = p * G::kTokensPerPass + group * kQuadTokens + r;
@@ -494,29 +531,38 @@ __device__ __forceinline__ void emit_pass(const OperandArgs& op, Smem<kDim>& sm,
         codes[r][w] = e4m3x4_rn_satfinite(__fmul_rn(x[r][k], s), __fmul_rn(x[r][k + 1], s),
                                           __fmul_rn(x[r][k + 2], s), __fmul_rn(x[r][k + 3], s));
       }
+      if (tile_codes) {
+        const float f = exp2i(tile_shift(e[r], tile_max));
+#pragma unroll
+        for (int w = 0; w < 2; ++w) tiles[r][w] = e4m3x4_scaled(codes[r][w], f, f, f, f);
+      }
     }
+    const int64_t row = (int64_t(t) * op.heads + h) * kDim + c * kChunkElems;
     if (valid && op.codes != nullptr)
-      *reinterpret_cast<uint2*>(op.codes + (int64_t(t) * op.heads + h) * kDim + c * kChunkElems) =
-          make_uint2(codes[r][0], codes[r][1]);
+      *reinterpret_cast<uint2*>(op.codes + row) = make_uint2(codes[r][0], codes[r][1]);
+    if (valid && op.codes_tiles != nullptr)
+      *reinterpret_cast<uint2*>(op.codes_tiles + row) = make_uint2(tiles[r][0], tiles[r][1]);
     if (op.nv_packed != nullptr) nvfp4_chunk<kDim>(op, nv[r], x[r], t, h, c, valid);
   }
   if (op.codes_t == nullptr) return;
   const int col = p * G::kRowGroups + group;  // tokens 4 col .. 4 col + 3 of the tile
+  store_transposed_words<kDim>(sm.transposed, codes, c, col);
+  if (op.codes_t_tiles != nullptr) store_transposed_words<kDim>(sm.transposed_tiles, tiles, c, col);
+}
+
+// The largest exponent of the tile's tokens (padding positions hold the smallest code).
+template <int kDim>
+__device__ __forceinline__ int tile_exponent_max(const Smem<kDim>& sm) {
+  using G = Geometry<kDim>;
+  uint32_t m = 0;  // four running byte maxima
 #pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    const uint32_t lo01 = __byte_perm(codes[0][w], codes[1][w], kPermInterleaveLow);
-    const uint32_t hi01 = __byte_perm(codes[0][w], codes[1][w], kPermInterleaveHigh);
-    const uint32_t lo23 = __byte_perm(codes[2][w], codes[3][w], kPermInterleaveLow);
-    const uint32_t hi23 = __byte_perm(codes[2][w], codes[3][w], kPermInterleaveHigh);
-    const uint32_t dims[kBytesPerWord] = {
-        __byte_perm(lo01, lo23, kPermLowHalves), __byte_perm(lo01, lo23, kPermHighHalves),
-        __byte_perm(hi01, hi23, kPermLowHalves), __byte_perm(hi01, hi23, kPermHighHalves)};
-#pragma unroll
-    for (int j = 0; j < kBytesPerWord; ++j) {
-      const int d = c * kChunkElems + w * kBytesPerWord + j;
-      sm.transposed[d][col ^ transposed_swizzle<kDim>(d)] = dims[j];
-    }
+  for (int k = 0; k < G::kTileTokens / kVectorBytes; ++k) {
+    const uint4 v = *reinterpret_cast<const uint4*>(&sm.exps[k * kVectorBytes]);
+    m = __vmaxu4(m, __vmaxu4(__vmaxu4(v.x, v.y), __vmaxu4(v.z, v.w)));
   }
+  m = __vmaxu4(m, m >> 16);
+  m = __vmaxu4(m, m >> 8);
+  return ue8m0::exponent(uint8_t(m));
 }
 
 // ---- codes_t ------------------------------------------------------------------------------------
@@ -604,6 +650,12 @@ __device__ __forceinline__ void store_transposed(const KernelArgs& a, const Oper
   TransposedRows rows{op.codes_t + int64_t(h) * kDim * a.tokens_t, a.tokens_t};
   if (sm.span.aligned) {
     store_aligned_span<kDim>(sm.span, sm.transposed, t_end - t0, int(threadIdx.x), rows);
+    // Set only where every span is aligned (OperandArgs::codes_t_tiles).
+    if (op.codes_t_tiles != nullptr) {
+      TransposedRows tile_rows{op.codes_t_tiles + int64_t(h) * kDim * a.tokens_t, a.tokens_t};
+      store_aligned_span<kDim>(sm.span, sm.transposed_tiles, t_end - t0, int(threadIdx.x),
+                               tile_rows);
+    }
     return;
   }
   const int chunks = sm.span.chunks;  // CTA-uniform
@@ -728,7 +780,9 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
     build_transposed_records<kDim>(a, sm, t0, t_end, 0);
   __syncthreads();
 
-  // B: codes, NVFP4, transposed words.
+  // B: codes, NVFP4, transposed words; T: the tile codes beside them.
+  const int tile_max =
+      op.codes_tiles != nullptr || op.codes_t_tiles != nullptr ? tile_exponent_max<kDim>(sm) : 0;
 #pragma unroll
   for (int p = 0; p < G::kPasses; ++p) {
     float x[kQuadTokens][kChunkElems];
@@ -745,7 +799,7 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
       e[r] = ue8m0::exponent(sm.exps[tile_token(p, r)]);
       nv[r] = sm.nv_exps[tile_token(p, r)];
     }
-    emit_pass<kDim>(op, sm, p, x, e, nv, h, t0, t_end, c, group);
+    emit_pass<kDim>(op, sm, p, x, e, nv, h, t0, t_end, c, group, tile_max);
   }
   __syncthreads();
 

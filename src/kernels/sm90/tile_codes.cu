@@ -51,15 +51,6 @@ __device__ int last_document(int num_docs, StartsBy starts_by) {
   return lo;
 }
 
-// The four E4M3 codes of a word, each times its factor (a power of two, at most 1), rounded.
-__device__ __forceinline__ uint32_t scale_codes(uint32_t w, float f0, float f1, float f2,
-                                                float f3) {
-  const float2 lo = e4m3x2_to_float2(uint16_t(w));
-  const float2 hi = e4m3x2_to_float2(uint16_t(w >> 16));
-  return e4m3x2_rn_satfinite(lo.x * f0, lo.y * f1) |
-         (e4m3x2_rn_satfinite(hi.x * f2, hi.y * f3) << 16);
-}
-
 __global__ void __launch_bounds__(kTileThreads)
     tile_codes_kernel(const __grid_constant__ TileCodesArgs a) {
   __shared__ float multiplier[kCtaPositions];
@@ -103,7 +94,7 @@ __global__ void __launch_bounds__(kTileThreads)
     uint32_t* w = &in.x;
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      w[k] = scale_codes(w[k], m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
+      w[k] = e4m3x4_scaled(w[k], m[4 * k], m[4 * k + 1], m[4 * k + 2], m[4 * k + 3]);
     *reinterpret_cast<uint4*>(a.tiles + at) = in;
   }
 }
@@ -154,7 +145,7 @@ __global__ void __launch_bounds__(kTileThreads)
       uint4 in = *reinterpret_cast<const uint4*>(a.codes + row + c);
       uint32_t* w = &in.x;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) w[k] = scale_codes(w[k], f, f, f, f);
+      for (int k = 0; k < 4; ++k) w[k] = e4m3x4_scaled(w[k], f, f, f, f);
       *reinterpret_cast<uint4*>(a.tiles + row + c) = in;
     }
   }
