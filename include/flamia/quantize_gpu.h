@@ -4,8 +4,9 @@
 // One launch quantizes the present operands of Q, K, V and dO (those whose input pointer is
 // non-null: the forward passes Q, K and V, the training call's backward dO alone) under any scale
 // policy, with the optional Hadamard rotation and NVFP4 Q/K; the `tensor` policy adds one launch
-// before it for the tensor maxima (of the present operands only), and K's and V's tile codes take
-// one launch each after it (they re-read the codes it wrote). quantize_gpu validates on the
+// before it for the tensor maxima (of the present operands only). K's and V's tile codes come from
+// that launch where its tiles are the documents' key tiles (quantize_gpu_fuses_tile_codes), else
+// from one launch each after it (they re-read the codes it wrote). quantize_gpu validates on the
 // host, then only enqueues work on `stream`: it never synchronises with the host.
 #pragma once
 
@@ -80,6 +81,11 @@ constexpr int kDeviceAlignment = 16;
 // anything.
 void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& options,
                   const DeviceQuantizedAttention& out, cudaStream_t stream);
+
+// Whether quantize_gpu's fused launch writes the tile codes itself on `layout`: head dim 128, every
+// document starting at a multiple of kKeyTileTokens (none empty before a non-empty one), whole
+// 16-token groups to the end. Otherwise two more launches make them from the codes.
+bool quantize_gpu_fuses_tile_codes(const PackedLayout& layout);
 
 // For tests and tools: uploads host inputs (any valid strides), quantizes on the current device,
 // and returns the result in quantize_cpu's form (non_finite filled; skipped operands empty).

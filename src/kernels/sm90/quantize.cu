@@ -55,6 +55,11 @@ void launch_for(int dim, bool rotate, const KernelArgs& args, int tiles, cudaStr
 
 }  // namespace
 
+bool quantize_gpu_fuses_tile_codes(const PackedLayout& layout) {
+  return sm90::quant::tiles_are_key_tiles(layout.cu_seqlens, layout.num_docs, layout.tokens,
+                                          layout.head_dim);
+}
+
 void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& options,
                   const DeviceQuantizedAttention& out, cudaStream_t stream) {
   const PackedLayout& pl = in.layout;
@@ -100,10 +105,9 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   args.non_finite = reinterpret_cast<unsigned long long*>(out.non_finite_first);
   const int tile = sm90::quant::tile_tokens(pl.head_dim);
   const int64_t token_tiles = (pl.tokens + tile - 1) / tile;
-  // The quantizer writes the tile codes itself where its tiles are the key tiles (a pass less per
-  // operand: 0.085 ms each on 65,536 tokens x 16 heads, docs/PERF.md).
-  const bool fused_tiles =
-      sm90::quant::tiles_are_key_tiles(pl.cu_seqlens, pl.num_docs, pl.tokens, pl.head_dim);
+  // The quantizer writes the tile codes itself where its tiles are the key tiles (no pass
+  // re-reading the codes: docs/PERF.md, item 118).
+  const bool fused_tiles = quantize_gpu_fuses_tile_codes(pl);
   int64_t tiles = 0;
   for (int i = 0; i < num_ops; ++i) {
     const Job& j = jobs[i];

@@ -31,7 +31,7 @@
 //      scales, and the transposed words (tile token order) into a swizzled shared tile;
 //   T  (fused_tiles: each tile one document-relative key tile) K's codes_tiles and V's
 //      codes_t_tiles from the codes just made, at the tile's largest exponent, beside them in B
-//      and S (the tile passes of tile_codes.h otherwise);
+//      and S (otherwise the tile passes of tile_codes.h make them);
 //   S  codes_t, per chunk of the span and dim: an aligned span copies aligned vectors of the
 //      shared tile in slot order (16-byte stores, as when codes_t had no document positions) and
 //      zeroes the gaps after a document ending at the tile's end; another span gathers each
