@@ -1,5 +1,6 @@
 // Host interface of the tile-code passes (tile_codes.cu), launched by quantize_gpu after the fused
-// quantizer has written V's codes_t, K's codes and their exponents.
+// quantizer has written V's codes_t, K's codes and their exponents, on layouts whose quantizer
+// tiles are not the key tiles (on the others the quantizer writes the tile codes itself).
 #pragma once
 
 #include <cuda_runtime_api.h>
