@@ -29,7 +29,7 @@
 //      tile) from the window: no read of cu_seqlens unless the tile touches 32 documents;
 //   B  codes (hardware RNE conversion, proven equal to e4m3::encode), NVFP4 nibbles and local
 //      scales, and the transposed words (tile token order) into a swizzled shared tile;
-//   T  (fused_tiles: each tile one document-relative key tile) K's codes_tiles and V's
+//   T  (each tile one document's key tile: tiles_are_key_tiles) K's codes_tiles and V's
 //      codes_t_tiles from the codes just made, at the tile's largest exponent, beside them in B
 //      and S (otherwise the tile passes of tile_codes.h make them);
 //   S  codes_t, per chunk of the span and dim: an aligned span copies aligned vectors of the
@@ -465,9 +465,6 @@ __device__ __forceinline__ void token_exponents(const KernelArgs& a, int opi, Sm
 
 // ---- codes ------------------------------------------------------------------------------------
 
-// The thread's rows of one pass, quantized: one E4M3 exponent per row (e) or, for vgroup16's V,
-// per element from shared memory; NVFP4 with the rows' token exponent codes (nv); codes to global
-// memory, transposed words to shared memory.
 // The words of 4 tokens' codes (a pass's rows of one lane) as 8 dims' words of codes_t (4 tokens
 // each) into the shared tile.
 template <int kDim>
@@ -491,8 +488,10 @@ __device__ __forceinline__ void store_transposed_words(uint32_t (*tile)[Geometry
   }
 }
 
-// tile_max: the tile's largest exponent, for the tile codes (OperandArgs::codes_tiles,
-// codes_t_tiles).
+// The thread's rows of one pass, quantized: one E4M3 exponent per row (e) or, for vgroup16's V,
+// per element from shared memory; NVFP4 with the rows' token exponent codes (nv); codes to global
+// memory, transposed words to shared memory; and the tile codes (OperandArgs::codes_tiles,
+// codes_t_tiles) at tile_max, the tile's largest exponent.
 template <int kDim>
 __device__ __forceinline__ void emit_pass(const OperandArgs& op, Smem<kDim>& sm, int p,
                                           const float (&x)[kQuadTokens][kChunkElems],
