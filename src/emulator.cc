@@ -71,10 +71,11 @@ ScaledRows tile_requantized(const ScaledRows& rows, int tile) {
     const int n1 = std::min(n0 + tile, rows.rows);
     const int top = *std::max_element(rows.exponent.begin() + n0, rows.exponent.begin() + n1);
     for (int j = n0; j < n1; ++j) {
-      const float factor = exp2i(tile_shift(rows.exponent[j], top));
+      const int shift = tile_shift(rows.exponent[j], top);
+      // The rows hold decoded codes: the quantizer's rule on their codes (flamia/quantize.h).
       for (int d = 0; d < rows.dim; ++d) {
         float& x = t.rm[size_t(j) * rows.dim + d];
-        x = e4m3::decode(e4m3::encode(x * factor));
+        x = e4m3::decode(tile_code(e4m3::encode(x), shift));
       }
       t.exponent[j] = top;
     }
