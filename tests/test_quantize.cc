@@ -374,16 +374,21 @@ int ref_tile_max(const E4M3Operand& o, int h, int64_t n0, int64_t n1) {
   return top;
 }
 
+// The tile-code tests' batch: odd documents across the key tiles, heavy-tailed inputs whose
+// exponents spread over several binades within a tile.
+AttentionBatch tile_code_batch() {
+  InputSpec spec;
+  spec.kind = InputKind::kHeavyTail;
+  spec.sigma = 2.0;
+  return generate_batch({1, 31, 0, 129, 33, 300, 128, 5, 260}, 2, 2, 64, spec);
+}
+
 // V's tile codes (quantize.h): every document-relative tile of kKeyTileTokens keys is requantized
 // to its largest exponent, checked against the reference E4M3 grid (nearest code, ties even) in
 // double; positions without a token stay 0; a tile's codes depend on its own keys alone; only V
 // has them, and only beside codes_t under a per-token exponent.
 TEST(QuantizeTransposed, ValueTileCodesCarryEachKeysShiftToItsTilesLargestExponent) {
-  const std::vector<int64_t> docs = {1, 31, 0, 129, 33, 300, 128, 5, 260};
-  InputSpec spec;
-  spec.kind = InputKind::kHeavyTail;  // exponents spread over several binades within a tile
-  spec.sigma = 2.0;
-  AttentionBatch b = generate_batch(docs, 2, 2, 64, spec);
+  AttentionBatch b = tile_code_batch();
   const int64_t tt = ref_transposed_tokens(b.cu_seqlens);
   const std::vector<int64_t> pos = ref_token_positions(b.cu_seqlens);
   for (ScalePolicy policy : {ScalePolicy::kToken, ScalePolicy::kBlock32}) {
@@ -457,11 +462,7 @@ TEST(QuantizeTransposed, ValueTileCodesCarryEachKeysShiftToItsTilesLargestExpone
 // K's tile codes: the same requantization of its codes ([T][H][D]), which both kernels' score
 // products read in the tiles the forward's items see whole; only with score codes.
 TEST(QuantizeTransposed, KeyTileCodesCarryEachKeysShiftToItsTilesLargestExponent) {
-  const std::vector<int64_t> docs = {1, 31, 0, 129, 33, 300, 128, 5, 260};
-  InputSpec spec;
-  spec.kind = InputKind::kHeavyTail;
-  spec.sigma = 2.0;
-  const AttentionBatch b = generate_batch(docs, 2, 2, 64, spec);
+  const AttentionBatch b = tile_code_batch();
   for (ScalePolicy policy : {ScalePolicy::kToken, ScalePolicy::kBlock32, ScalePolicy::kVGroup16}) {
     SCOPED_TRACE(to_string(policy));
     QuantizeOptions opt;
