@@ -374,6 +374,28 @@ int ref_tile_max(const E4M3Operand& o, int h, int64_t n0, int64_t n1) {
   return top;
 }
 
+// Calls f(t, h, shift) for every token t and head h of the documents cu_seqlens describes, shift =
+// the token's exponent minus the largest of its document-relative 128-key tile (<= 0); returns how
+// many (token, head) pairs have shift < 0 (up to the first fatal failure).
+template <typename F>
+int64_t for_each_tile_shift(const std::vector<int32_t>& cu_seqlens, const E4M3Operand& o, int heads,
+                            F&& f) {
+  int64_t shifted = 0;
+  for (size_t doc = 0; doc + 1 < cu_seqlens.size(); ++doc) {
+    const int64_t begin = cu_seqlens[doc], end = cu_seqlens[doc + 1];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = begin + (t - begin) / 128 * 128, n1 = std::min(n0 + 128, end);
+      for (int h = 0; h < heads; ++h) {
+        const int shift = ref_exponent(o, h, t) - ref_tile_max(o, h, n0, n1);
+        shifted += shift < 0;
+        f(t, h, shift);
+        if (::testing::Test::HasFatalFailure()) return shifted;  // an ASSERT in f stops the walk
+      }
+    }
+  }
+  return shifted;
+}
+
 // The tile-code tests' batch: odd documents across the key tiles, heavy-tailed inputs whose
 // exponents spread over several binades within a tile.
 AttentionBatch tile_code_batch() {
@@ -400,26 +422,18 @@ TEST(QuantizeTransposed, ValueTileCodesCarryEachKeysShiftToItsTilesLargestExpone
     ASSERT_EQ(v.codes_t_tiles.size(), v.codes_t.size());
     for (const E4M3Operand* o : {&qa.q, &qa.k, &qa.dout}) EXPECT_TRUE(o->codes_t_tiles.empty());
     std::vector<bool> token_at(size_t(tt), false);
-    int64_t shifted = 0, subnormal = 0;
-    for (size_t doc = 0; doc + 1 < b.cu_seqlens.size(); ++doc) {
-      const int64_t begin = b.cu_seqlens[doc], end = b.cu_seqlens[doc + 1];
-      for (int64_t t = begin; t < end; ++t) {
-        token_at[size_t(pos[t])] = true;
-        const int64_t n0 = begin + (t - begin) / 128 * 128, n1 = std::min(n0 + 128, end);
-        for (int h = 0; h < 2; ++h) {
-          const int tile_max = ref_tile_max(v, h, n0, n1);
-          const int e = ref_exponent(v, h, t);
-          shifted += e < tile_max;
+    int64_t subnormal = 0;
+    const int64_t shifted =
+        for_each_tile_shift(b.cu_seqlens, v, 2, [&](int64_t t, int h, int shift) {
+          token_at[size_t(pos[t])] = true;
           for (int d = 0; d < 64; ++d) {
             const size_t at = size_t((int64_t(h) * 64 + d) * tt + pos[t]);
-            const double want = std::ldexp(testref::e4m3_value(v.codes_t[at]), e - tile_max);
+            const double want = std::ldexp(testref::e4m3_value(v.codes_t[at]), shift);
             ASSERT_EQ(int(v.codes_t_tiles[at]), ref_e4m3_code(want))
                 << "token " << t << " head " << h << " dim " << d;
             subnormal += std::fabs(want) < std::ldexp(1.0, -6) && want != 0.0;
           }
-        }
-      }
-    }
+        });
     EXPECT_GT(shifted, 0);    // the inputs exercise the shift
     EXPECT_GT(subnormal, 0);  // and its rounding below the normal range
     for (int64_t p = 0; p < tt; ++p)
@@ -471,24 +485,15 @@ TEST(QuantizeTransposed, KeyTileCodesCarryEachKeysShiftToItsTilesLargestExponent
     const E4M3Operand& k = qa.k;
     ASSERT_EQ(k.codes_tiles.size(), k.codes.size());
     for (const E4M3Operand* o : {&qa.q, &qa.v, &qa.dout}) EXPECT_TRUE(o->codes_tiles.empty());
-    int64_t shifted = 0;
-    for (size_t doc = 0; doc + 1 < b.cu_seqlens.size(); ++doc) {
-      const int64_t begin = b.cu_seqlens[doc], end = b.cu_seqlens[doc + 1];
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t n0 = begin + (t - begin) / 128 * 128, n1 = std::min(n0 + 128, end);
-        for (int h = 0; h < 2; ++h) {
-          const int tile_max = ref_tile_max(k, h, n0, n1);
-          const int e = ref_exponent(k, h, t);
-          shifted += e < tile_max;
+    const int64_t shifted =
+        for_each_tile_shift(b.cu_seqlens, k, 2, [&](int64_t t, int h, int shift) {
           for (int d = 0; d < 64; ++d) {
             const size_t at = size_t((t * 2 + h) * 64 + d);
-            const double want = std::ldexp(testref::e4m3_value(k.codes[at]), e - tile_max);
+            const double want = std::ldexp(testref::e4m3_value(k.codes[at]), shift);
             ASSERT_EQ(int(k.codes_tiles[at]), ref_e4m3_code(want))
                 << "token " << t << " head " << h << " dim " << d;
           }
-        }
-      }
-    }
+        });
     EXPECT_GT(shifted, 0);
   }
   QuantizeOptions qk16;
