@@ -1,12 +1,17 @@
 // The forward's epilogue: O = O_acc * (2^R / l) to BF16 and LSE = ln 2 * (m - 8 + log2 l), written
-// only for rows inside the document (guarded stores, no TMA: a box would write the next
-// document's rows); 16 bytes a lane where O's view allows (bf16_rows.cuh), else BF16 pairs.
+// only for rows inside the document (no TMA box: it would write the next document's rows). Where
+// O's view allows 16-byte stores, mxfp8 stages the rows in shared memory with stmatrix and sends
+// each by a bulk copy, mxfp8-qk16 (no room) stores 16 bytes a lane after quad transposes
+// (bf16_rows.cuh); other views take BF16 pairs.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "bf16_rows.cuh"
+#include "fwd_smem.cuh"
+#include "proxy_fence.cuh"
 #include "softmax.cuh"
+#include "tma.cuh"
 
 namespace flamia::sm90::fwd {
 
@@ -18,16 +23,57 @@ struct ItemRows {
   int length;     // the document's length
 };
 
-__device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[kAccRegs],
-                                              RowState& st, const ItemRows& item,
-                                              const int (&row)[kRows], int head, int quad) {
-  // One division per row, not per element: O = O_acc * (2^R / l), as the emulator computes it.
-  float scale[kRows];
+constexpr int kWarpRows = 16;   // accumulator rows of one warp: two 8-row halves
+constexpr int kMatrixRows = 8;  // rows of an stmatrix matrix (8 x 8 BF16)
+
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
+                                            uint32_t d) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
+
+// The warp's 16 rows of O through its part of the stage: a thread's registers 4g..4g+3 are the
+// 8 x 8 matrices (rows 0-7, column group g) and (rows 8-15, g) in stmatrix's fragment layout, so
+// one stmatrix.x4 writes groups g and g + 1 of all 16 rows (lane l addresses row l % 8 of matrix
+// l / 8). Lane i < 16 then copies row i, if inside the document, to global memory. The warp's
+// copies of the item before must have read the stage first.
+__device__ __forceinline__ void store_o_staged(const Params& p, const float (&o)[kAccRegs],
+                                               const float (&scale)[kRows], const ItemRows& item,
+                                               int warp_row0, int head, uint8_t* stage) {
+  const int lane = int(lane_index());
+  if (lane < kWarpRows) tma_store_wait_read<0>();
+  __syncwarp();
+  const int matrix = lane / kMatrixRows;
+  const uint32_t base = uint32_t(__cvta_generic_to_shared(stage)) +
+                        (lane % kMatrixRows + kMatrixRows * (matrix % 2)) * kOStageRowBytes +
+                        (matrix / 2) * kWideStoreElems * sizeof(uint16_t);
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    st.l[r] = quad_sum(st.l[r]);
-    scale[r] = __fdiv_rn(exp2i(st.ref[r]), st.l[r]);
+  for (int g = 0; g < kColPairs; g += 2) {
+    const int i = 4 * g;
+    stmatrix_x4(base + g * kWideStoreElems * sizeof(uint16_t),
+                bf16x2_bits(o[i] * scale[0], o[i + 1] * scale[0]),
+                bf16x2_bits(o[i + 2] * scale[1], o[i + 3] * scale[1]),
+                bf16x2_bits(o[i + 4] * scale[0], o[i + 5] * scale[0]),
+                bf16x2_bits(o[i + 6] * scale[1], o[i + 7] * scale[1]));
   }
+  fence_async_shared();  // the stmatrix writes reach the bulk copies' reads
+  __syncwarp();
+  if (lane < kWarpRows) {
+    const int row = item.m0 + warp_row0 + lane;
+    if (row < item.length) {
+      const int64_t token = item.begin + row;
+      bulk_store(p.o + token * p.o_stride_token + int64_t(head) * p.o_stride_head,
+                 stage + lane * kOStageRowBytes, kHeadDim * sizeof(uint16_t));
+    }
+    tma_store_commit();
+  }
+}
+
+// O from registers: 16 bytes a lane after quad transposes where the view allows, else BF16 pairs.
+__device__ __forceinline__ void store_o_registers(const Params& p, const float (&o)[kAccRegs],
+                                                  const float (&scale)[kRows], const ItemRows& item,
+                                                  const int (&row)[kRows], int head, int quad) {
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const bool inside = item.m0 + row[r] < item.length;
@@ -58,9 +104,33 @@ __device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[
             bf16x2_bits(o[i] * scale[r], o[i + 1] * scale[r]);
       }
     }
-    if (!inside) continue;
-    if (quad == 0)
-      p.lse[int64_t(head) * p.tokens + token] = kLn2 * ((st.m[r] - kPOffset) + log2f(st.l[r]));
+  }
+}
+
+// `stage`: the warp's 16 rows of SharedStorage::o_stage (mxfp8), else null.
+__device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[kAccRegs],
+                                              RowState& st, const ItemRows& item,
+                                              const int (&row)[kRows], int head, int quad,
+                                              uint8_t* stage) {
+  // One division per row, not per element: O = O_acc * (2^R / l), as the emulator computes it.
+  float scale[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    st.l[r] = quad_sum(st.l[r]);
+    scale[r] = __fdiv_rn(exp2i(st.ref[r]), st.l[r]);
+  }
+  if (stage != nullptr && p.wide_stores) {
+    // row[0] is the warp's first row plus lane / 4 (wgmma::acc_row).
+    store_o_staged(p, o, scale, item, row[0] - int(lane_index()) / 4, head, stage);
+  } else {
+    store_o_registers(p, o, scale, item, row, head, quad);
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int doc_row = item.m0 + row[r];
+    if (quad == 0 && doc_row < item.length)
+      p.lse[int64_t(head) * p.tokens + item.begin + doc_row] =
+          kLn2 * ((st.m[r] - kPOffset) + log2f(st.l[r]));
   }
 }
 

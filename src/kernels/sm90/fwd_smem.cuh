@@ -27,12 +27,22 @@ struct SmemLayout : ScoreSpans<kScore> {
                 "descriptor bases stay 1024 B aligned");
 };
 
+// O's staging rows: BF16 head-dim rows padded by one 16-byte bank group, so that the 8 rows of
+// one stmatrix matrix (272 B apart) start in 8 different bank groups. mxfp8's shared memory has
+// the 52 KB; mxfp8-qk16's BF16 Q and K tiles leave no room, and it stores O from registers.
+constexpr uint32_t kOStagePadBytes = 16;
+constexpr uint32_t kOStageRowBytes = kHeadDim * sizeof(uint16_t) + kOStagePadBytes;
+template <ScoreOperand kScore>
+constexpr bool kOStaged = kScore == ScoreOperand::kE4m3;
+
 template <ScoreOperand kScore>
 struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   using L = SmemLayout<kScore>;
   uint8_t q[kQStages][L::kQBytes];
   uint8_t k[kStages][L::kKBytes];
   uint8_t vt[kStages][L::kVtBytes];
+  // The item's O rows on their way out (epilogue_fwd.cuh), where there is room: E4M3 Q and K.
+  uint8_t o_stage[kOStaged<kScore> ? kBlockM : 1][kOStageRowBytes];
   KeyScales kscale[kStages];
   ValueScales vscale[kStages];
   QueryFactors q_factor[kQStages];  // E4M3 Q only

@@ -141,7 +141,11 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
   for (;;) {
     sm.q_pipe.consumer_wait(q_state);
     const WorkItem item = sm.item[q_state.index];
-    if (item.doc < 0) return;
+    if (item.doc < 0) {
+      // The staged O rows must be read before the CTA's shared memory goes.
+      if (kOStaged<kScore> && lane_index() < uint32_t(kWarpRows)) tma_store_wait_read<0>();
+      return;
+    }
     ItemRows rows;
     rows.begin = p.cu_seqlens[item.doc];
     rows.length = int(p.cu_seqlens[item.doc + 1] - rows.begin);
@@ -263,7 +267,10 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     {
       int row[kRows];
       thread_rows(warpgroup, t, row);
-      store_outputs(p, o, st, rows, row, item.head, quad);
+      uint8_t* stage = nullptr;
+      if constexpr (kOStaged<kScore>)
+        stage = sm.o_stage[warpgroup * wgmma::kM + int(t / kWarpThreads) * kWarpRows];
+      store_outputs(p, o, st, rows, row, item.head, quad, stage);
     }
     q_state.advance();
   }
