@@ -43,8 +43,9 @@ struct InputSet {
 
 int bench_quantize(int argc, char** argv, int first) {
   Args args("bench quantize",
-            "Times quantize_gpu (the fused quantizer launch; K's and V's tile codes in it where "
-            "the tiles are the documents' key tiles, else in two passes after it) "
+            "Times quantize_gpu (the fused quantizer launch, on packed tiles or on tiles cut "
+            "from each document's start; K's and V's tile codes in it where the tiles are the "
+            "documents' key tiles, else in two passes after it) "
             "on fresh random BF16 Q, K, V (dO too with --backward) and a 1 GiB device-to-device "
             "copy in the same run; reports bytes moved (inputs read once, outputs written once), "
             "GB/s and the fraction of the copy's.",
@@ -58,6 +59,9 @@ int bench_quantize(int argc, char** argv, int first) {
              {"nvfp4", "", "also write NVFP4 Q and K", true},
              {"no-transposed", "", "skip the transposed (K-major) copies", true},
              {"backward", "", "quantize dO too", true},
+             {"tiling", "auto",
+              "the quantizer's tiles: packed, document (from each document's start) or auto "
+              "(flamia/quantize_gpu.h); the outputs are the same bytes"},
              {"reps", "50", "timed reps (at least 20)"},
              {"warmup", "5", "untimed launches before the reps"},
              {"warmup-ms", std::to_string(int(bench::kSustainedWarmupMs)),
@@ -95,6 +99,14 @@ int bench_quantize(int argc, char** argv, int first) {
   opt.hadamard = args.flag("hadamard");
   opt.nvfp4_qk = args.flag("nvfp4");
   opt.transposed = !args.flag("no-transposed");
+  const std::string tiling = args.str("tiling");
+  if (tiling == "packed") {
+    opt.tiling = QuantizerTiling::kPacked;
+  } else if (tiling == "document") {
+    opt.tiling = QuantizerTiling::kDocument;
+  } else if (tiling != "auto") {
+    throw Error("unknown --tiling '" + tiling + "' (valid: auto, packed, document)");
+  }
 
   std::vector<int64_t> lengths(size_t(docs), tokens / docs);
   lengths.back() += tokens % docs;
@@ -160,9 +172,10 @@ int bench_quantize(int argc, char** argv, int first) {
     table.add_row({name, fmt(t.median_ms, 4), fmt(bytes / kGiga, 3), fmt(rate, 0),
                    fmt(rate / copy_gbps, 3), fmt(t.min_ms, 4), fmt(t.max_ms, 4)});
   };
-  const bool fused_tiles = quantize_gpu_fuses_tile_codes(layout);
-  row(fused_tiles ? "quantize_gpu (one launch, tile codes in it)"
-                  : "quantize_gpu (fused launch, tile passes)",
+  const bool fused_tiles = quantize_gpu_fuses_tile_codes(layout, opt);
+  const bool document_tiles = quantize_gpu_tiling(layout, opt) == QuantizerTiling::kDocument;
+  row(std::string("quantize_gpu (") + (document_tiles ? "document" : "packed") + " tiles, " +
+          (fused_tiles ? "one launch, tile codes in it)" : "tile passes after it)"),
       t_quant, quant_bytes);
   row("cudaMemcpyAsync device to device, 1 GiB", t_copy, copy_bytes);
   table.notes.push_back("quantizer bytes: " + fmt(read / kGiga, 3) + " GB read (BF16 inputs) + " +

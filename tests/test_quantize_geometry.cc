@@ -1,10 +1,11 @@
 // Host simulation of the GPU quantizer's codes_t stores (src/kernels/sm90/quantize_geometry.h):
 // stages A, E and S of every tile run here as the kernel runs them, with the 32 lanes of warp 0
-// and the 256 threads of a CTA emulated one after the other and codes_t's stores recorded. On
-// layouts with unaligned documents, runs of empty documents and documents ending at and across
-// tile edges, every codes_t byte must be written exactly once, by naturally aligned stores inside
-// the row, and equal flamia/quantize.h's definition. No GPU needed: it checks the index
-// arithmetic; GpuQuantize.TransposedLayoutOnUnalignedAndEmptyDocuments checks the device.
+// and the 256 threads of a CTA emulated one after the other and codes_t's stores recorded, for the
+// packed and the document tiling. On layouts with unaligned documents, runs of empty documents and
+// documents ending at and across tile edges, every codes_t byte must be written exactly once, by
+// naturally aligned stores inside the row, and equal flamia/quantize.h's definition. No GPU
+// needed: it checks the index arithmetic; GpuQuantize.TransposedLayoutOnUnalignedAndEmptyDocuments
+// and GpuQuantize.DocumentTilingWritesThePackedTilingsBytes check the device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -43,6 +44,7 @@ struct Tally {
   int64_t bad_stores = 0;  // misaligned or outside the row
   std::string first_bad_store;
   int aligned_tiles = 0, gathered_tiles = 0, batched_tiles = 0;  // the paths taken
+  int gathered_past_start = 0;                                   // gathered tiles other than tile 0
 };
 
 // cu_seqlens reads, checked against its num_docs + 1 entries.
@@ -114,16 +116,14 @@ std::vector<uint8_t> expected_codes_t(const std::vector<int32_t>& cu, int heads,
 }
 
 // One tile (head h, tokens [t0, t_end)) as the kernel runs it: stage B's swizzled shared tile
-// (word c of a row holds tile tokens 4c .. 4c + 3), stage A's span, stage E's records and stage
-// S's stores, thread by thread. Columns past t_end hold a junk code here (the kernel's hold zeros):
-// no store may copy them.
-template <int kDim>
-void simulate_tile(const std::vector<int32_t>& cu, int h, int t0, int64_t tokens_t,
+// (word c of a row holds tile tokens 4c .. 4c + 3; code 0 past t_end, as the kernel's rows past the
+// tile are zeros), stage A's span, stage E's records and stage S's stores, thread by thread.
+template <int kDim, Tiles kTiles>
+void simulate_tile(const std::vector<int32_t>& cu, int h, int t0, int t_end, int64_t tokens_t,
                    RecordingRows& rows, Tally& tally) {
   using G = Geometry<kDim>;
   const int num_docs = int(cu.size()) - 1, tokens = cu.back();
-  const int t_end = std::min(t0 + G::kTileTokens, tokens);
-  constexpr uint8_t kPastTile = 0xEE;
+  constexpr uint8_t kPastTile = 0;
   alignas(kVectorBytes) static uint32_t tile[kDim][G::kTileWords];
   for (int d = 0; d < kDim; ++d)
     for (int c = 0; c < G::kTileWords; ++c) {
@@ -138,14 +138,15 @@ void simulate_tile(const std::vector<int32_t>& cu, int h, int t0, int64_t tokens
   const CheckedOffsets global{&cu, &tally};
   int32_t window[kWindowDocs];
   const TransposedSpan s =
-      find_span(SerialLanes{}, global, window, num_docs, tokens, tokens_t, t0, t_end);
+      find_span<kTiles>(SerialLanes{}, global, window, num_docs, tokens, tokens_t, t0, t_end);
   if (s.aligned) {
     ++tally.aligned_tiles;
     for (int thread = 0; thread < kThreads; ++thread)
-      store_aligned_span<kDim>(s, tile, t_end - t0, thread, rows);
+      store_aligned_span<kDim, kTiles>(s, tile, t_end - t0, thread, rows);
     return;
   }
   ++tally.gathered_tiles;
+  if (t0 > 0) ++tally.gathered_past_start;
   if (s.chunks > G::kSpanChunks) ++tally.batched_tiles;
   auto at = [&](int b) {
     const int i = b - s.doc_lo;
@@ -165,20 +166,56 @@ void simulate_tile(const std::vector<int32_t>& cu, int h, int t0, int64_t tokens
   } while (base < s.chunks);
 }
 
+// The tiles [t0, t_end) of a layout: packed, or the document tiling's (idle slots skipped), whose
+// slots must each hold at most one tile and together every token once.
+template <int kDim>
+std::vector<TileRange> layout_tiles(const std::vector<int32_t>& cu, bool document_tiling) {
+  using G = Geometry<kDim>;
+  const int num_docs = int(cu.size()) - 1, tokens = cu.back();
+  std::vector<TileRange> tiles;
+  if (!document_tiling) {
+    for (int t0 = 0; t0 < tokens; t0 += G::kTileTokens)
+      tiles.push_back({t0, std::min(t0 + G::kTileTokens, tokens)});
+    return tiles;
+  }
+  auto at = [&](int b) { return cu[size_t(b)]; };
+  const int64_t slots = document_slot_count(tokens, num_docs, G::kTileTokens);
+  std::vector<int> covered(size_t(tokens), 0);
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    const TileRange r = document_tile(at, num_docs, G::kTileTokens, slot);
+    if (r.t0 < 0) continue;
+    tiles.push_back(r);
+    // Inside one document, from its start in whole tiles.
+    const int b = int(std::upper_bound(cu.begin(), cu.end(), r.t0) - cu.begin()) - 1;
+    EXPECT_EQ((r.t0 - cu[size_t(b)]) % G::kTileTokens, 0) << "slot " << slot;
+    EXPECT_TRUE(r.t_end == std::min(r.t0 + G::kTileTokens, cu[size_t(b) + 1])) << "slot " << slot;
+    for (int t = r.t0; t < r.t_end; ++t) ++covered[size_t(t)];
+  }
+  EXPECT_EQ(std::count(covered.begin(), covered.end(), 1), tokens) << "tokens in one tile each";
+  EXPECT_LE(slots, tokens / G::kTileTokens + num_docs);
+  return tiles;
+}
+
 // Every tile of every head of one operand with `heads` heads; checks codes_t and returns what
 // the tiles did.
 template <int kDim>
-Tally simulate_layout(const std::vector<int64_t>& lengths, int heads) {
+Tally simulate_layout(const std::vector<int64_t>& lengths, int heads, bool document_tiling) {
   const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
   const int num_docs = int(lengths.size()), tokens = cu.back();
   const int64_t tokens_t = transposed_tokens(tokens, num_docs);
   std::vector<uint8_t> got(size_t(int64_t(heads) * kDim * tokens_t), 0);
   std::vector<int> writes(got.size(), 0);
   Tally tally;
+  const std::vector<TileRange> tiles = layout_tiles<kDim>(cu, document_tiling);
   for (int h = 0; h < heads; ++h) {
     RecordingRows rows{&got, &writes, &tally, tokens_t, kDim, h};
-    for (int t0 = 0; t0 < tokens; t0 += Geometry<kDim>::kTileTokens)
-      simulate_tile<kDim>(cu, h, t0, tokens_t, rows, tally);
+    for (const TileRange& t : tiles) {
+      if (document_tiling) {
+        simulate_tile<kDim, Tiles::kDocument>(cu, h, t.t0, t.t_end, tokens_t, rows, tally);
+      } else {
+        simulate_tile<kDim, Tiles::kPacked>(cu, h, t.t0, t.t_end, tokens_t, rows, tally);
+      }
+    }
   }
   EXPECT_EQ(tally.bad_reads, 0) << "cu_seqlens read outside its " << num_docs + 1 << " entries";
   EXPECT_EQ(tally.bad_stores, 0) << "first: " << tally.first_bad_store;
@@ -252,22 +289,25 @@ std::vector<std::vector<int64_t>> random_layouts(int count, uint32_t seed) {
 }
 
 template <int kDim>
-void check_layouts(const std::vector<std::vector<int64_t>>& layouts, Tally* total) {
+void check_layouts(const std::vector<std::vector<int64_t>>& layouts, bool document_tiling,
+                   Tally* total) {
   for (size_t i = 0; i < layouts.size(); ++i) {
-    SCOPED_TRACE("dim " + std::to_string(kDim) + ", documents " + describe(layouts[i]));
+    SCOPED_TRACE("dim " + std::to_string(kDim) + (document_tiling ? ", document" : ", packed") +
+                 " tiling, documents " + describe(layouts[i]));
     const int heads = 1 + int(i % 3);
-    const Tally t = simulate_layout<kDim>(layouts[i], heads);
+    const Tally t = simulate_layout<kDim>(layouts[i], heads, document_tiling);
     total->aligned_tiles += t.aligned_tiles;
     total->gathered_tiles += t.gathered_tiles;
     total->batched_tiles += t.batched_tiles;
+    total->gathered_past_start += t.gathered_past_start;
     if (::testing::Test::HasFailure()) return;  // one layout's report is enough
   }
 }
 
 TEST(QuantizeGeometry, EdgeLayoutsWriteEveryTransposedByteOnceAndRight) {
   Tally total;
-  check_layouts<64>(edge_layouts(), &total);
-  check_layouts<128>(edge_layouts(), &total);
+  check_layouts<64>(edge_layouts(), false, &total);
+  check_layouts<128>(edge_layouts(), false, &total);
   // The three paths of stage S all ran: else this test checks less than it says.
   EXPECT_GT(total.aligned_tiles, 0);
   EXPECT_GT(total.gathered_tiles, 0);
@@ -277,14 +317,31 @@ TEST(QuantizeGeometry, EdgeLayoutsWriteEveryTransposedByteOnceAndRight) {
 TEST(QuantizeGeometry, RandomLayoutsWriteEveryTransposedByteOnceAndRight) {
   constexpr int kLayouts = 300;
   Tally total;
-  check_layouts<64>(random_layouts(kLayouts, 64), &total);
-  check_layouts<128>(random_layouts(kLayouts, 128), &total);
+  check_layouts<64>(random_layouts(kLayouts, 64), false, &total);
+  check_layouts<128>(random_layouts(kLayouts, 128), false, &total);
   EXPECT_GT(total.gathered_tiles, 0);
 }
 
-// tiles_are_key_tiles (the quantizer then writes the tile codes from its own tiles): where it
-// holds, every tile's span is aligned and the tile is one document's key tile; on layouts built to
-// hold it, it does; one empty document before a non-empty one, a start off the key tiles, a
+// The document tiling: every tile lies in one document, from its start, so every span is aligned
+// but tile 0's after leading empty documents (their gaps come first), and every byte is still
+// written once and right.
+TEST(QuantizeGeometry, DocumentTilesWriteEveryTransposedByteOnceByAlignedSpans) {
+  constexpr int kLayouts = 300;
+  std::vector<std::vector<int64_t>> layouts = edge_layouts();
+  for (const uint32_t seed : {64u, 128u}) {
+    const std::vector<std::vector<int64_t>> random = random_layouts(kLayouts, seed);
+    layouts.insert(layouts.end(), random.begin(), random.end());
+  }
+  Tally total;
+  check_layouts<64>(layouts, true, &total);
+  check_layouts<128>(layouts, true, &total);
+  EXPECT_GT(total.aligned_tiles, 0);
+  EXPECT_EQ(total.gathered_past_start, 0);
+}
+
+// tiles_are_key_tiles (the quantizer then writes the tile codes from its own packed tiles): where
+// it holds, every tile's span is aligned and the tile is one document's key tile; on layouts built
+// to hold it, it does; one empty document before a non-empty one, a start off the key tiles, a
 // partial last group or head dim 64 each turn it off.
 TEST(QuantizeGeometry, KeyTileLayoutsGiveEveryTileOneKeyTile) {
   using G = Geometry<128>;
@@ -318,8 +375,9 @@ TEST(QuantizeGeometry, KeyTileLayoutsGiveEveryTileOneKeyTile) {
     for (int t0 = 0; t0 < tokens; t0 += G::kTileTokens) {
       const int t_end = std::min(t0 + G::kTileTokens, tokens);
       int32_t window[kWindowDocs];
-      const TransposedSpan s = find_span(SerialLanes{}, global, window, num_docs, tokens,
-                                         transposed_tokens(tokens, num_docs), t0, t_end);
+      const TransposedSpan s =
+          find_span<Tiles::kPacked>(SerialLanes{}, global, window, num_docs, tokens,
+                                    transposed_tokens(tokens, num_docs), t0, t_end);
       EXPECT_TRUE(s.aligned) << "tile at " << t0;
       EXPECT_EQ((t0 - cu[size_t(s.doc_lo)]) % kKeyTileTokens, 0) << "tile at " << t0;
       EXPECT_GE(cu[size_t(s.doc_lo) + 1], t_end) << "tile at " << t0;

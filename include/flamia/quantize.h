@@ -189,6 +189,11 @@ struct NonFiniteReport {
   void throw_if_any() const;
 };
 
+// How the GPU quantizer cuts the packed batch into tiles (quantize_gpu; the CPU quantizer has no
+// tiles). Every choice writes the same bytes. kPacked: at multiples of the tile size in the packed
+// buffer; kDocument: from each document's start; kAuto: flamia/quantize_gpu.h's rule.
+enum class QuantizerTiling { kAuto, kPacked, kDocument };
+
 struct QuantizeOptions {
   ScalePolicy policy = ScalePolicy::kToken;
   bool hadamard = false;   // rotate Q and K along the head dim before quantizing
@@ -197,7 +202,8 @@ struct QuantizeOptions {
   // products read the BF16 inputs and its backward reads Q's and K's codes_t only
   // (writes_codes).
   bool score_codes = true;
-  bool nvfp4_qk = false;  // also write NVFP4 Q and K
+  bool nvfp4_qk = false;                            // also write NVFP4 Q and K
+  QuantizerTiling tiling = QuantizerTiling::kAuto;  // GPU only
 };
 
 // Whether the quantizers write `op`'s codes: always but for Q and K without score_codes.

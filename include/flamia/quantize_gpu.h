@@ -4,10 +4,12 @@
 // One launch quantizes the present operands of Q, K, V and dO (those whose input pointer is
 // non-null: the forward passes Q, K and V, the training call's backward dO alone) under any scale
 // policy, with the optional Hadamard rotation and NVFP4 Q/K; the `tensor` policy adds one launch
-// before it for the tensor maxima (of the present operands only). K's and V's tile codes come from
-// that launch where its tiles are the documents' key tiles (quantize_gpu_fuses_tile_codes), else
-// from one launch each after it (they re-read the codes it wrote). quantize_gpu validates on the
-// host, then only enqueues work on `stream`: it never synchronises with the host.
+// before it for the tensor maxima (of the present operands only). Its tiles are packed or cut from
+// each document's start (QuantizerTiling, quantize_gpu_tiling; the document tiling adds a small
+// launch that lists the tiles). K's and V's tile codes come from that launch where its tiles are
+// the documents' key tiles (quantize_gpu_fuses_tile_codes), else from one launch each after it
+// (they re-read the codes it wrote). quantize_gpu validates on the host, then only enqueues work
+// on `stream`: it never synchronises with the host.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -82,10 +84,16 @@ constexpr int kDeviceAlignment = 16;
 void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& options,
                   const DeviceQuantizedAttention& out, cudaStream_t stream);
 
-// Whether quantize_gpu's fused launch writes the tile codes itself on `layout`: head dim 128, every
-// document starting at a multiple of kKeyTileTokens (none empty before a non-empty one), whole
-// 16-token groups to the end. Otherwise two more launches make them from the codes.
-bool quantize_gpu_fuses_tile_codes(const PackedLayout& layout);
+// The tiling quantize_gpu takes on `layout` (kPacked or kDocument). kAuto takes the packed tiles
+// where every document starts at a multiple of kKeyTileTokens (none empty before a non-empty one):
+// there they are the document tiles already. Elsewhere it takes the document tiles unless the
+// documents are so short that they would need more than twice the packed tiles' CTAs.
+QuantizerTiling quantize_gpu_tiling(const PackedLayout& layout, const QuantizeOptions& options);
+
+// Whether quantize_gpu's fused launch writes the tile codes itself on `layout`: head dim 128, and
+// tiles that are the documents' key tiles (the document tiling, or the packed one where it
+// coincides). Otherwise two more launches make them from the codes.
+bool quantize_gpu_fuses_tile_codes(const PackedLayout& layout, const QuantizeOptions& options);
 
 // For tests and tools: uploads host inputs (any valid strides), quantizes on the current device,
 // and returns the result in quantize_cpu's form (non_finite filled; skipped operands empty).

@@ -493,10 +493,10 @@ TEST(GpuQuantize, TransposedLayoutOnUnalignedAndEmptyDocuments) {
   expect_same(quantize_cpu(empty.inputs(), QuantizeOptions{}), gpu);
 }
 
-// Layouts whose quantizer tiles are the key tiles (quantize_geometry.h, tiles_are_key_tiles): at
-// head dim 128 the quantizer writes K's and V's tile codes itself, with no tile pass; at 64, and on
-// the layouts beside them that miss the condition by one document, the passes do. Every policy,
-// rotated or not, outputs poisoned with 0xFF (E4M3 NaN) first.
+// Layouts whose packed quantizer tiles are the key tiles (quantize_geometry.h,
+// tiles_are_key_tiles): at head dim 128 the quantizer writes K's and V's tile codes itself, with no
+// tile pass; at 64, and on the layout beside them that misses the condition by one empty document,
+// the passes do. Every policy, rotated or not, outputs poisoned with 0xFF (E4M3 NaN) first.
 TEST(GpuQuantize, KeyTileLayoutsTakeTheTileCodesFromTheQuantizer) {
   FLAMIA_REQUIRE_GPU();
   constexpr uint8_t kNaNPoison = 0xFF;
@@ -512,6 +512,7 @@ TEST(GpuQuantize, KeyTileLayoutsTakeTheTileCodesFromTheQuantizer) {
           QuantizeOptions opt;
           opt.policy = p;
           opt.hadamard = hadamard;
+          opt.tiling = QuantizerTiling::kPacked;
           const QuantizedAttention gpu = run_gpu(b, opt, Arrangement::kDense, true, kNaNPoison);
           expect_same(quantize_cpu(b.inputs(), opt), gpu);
           EXPECT_EQ(std::count(gpu.v.codes_t_tiles.begin(), gpu.v.codes_t_tiles.end(), kNaNPoison),
@@ -521,6 +522,62 @@ TEST(GpuQuantize, KeyTileLayoutsTakeTheTileCodesFromTheQuantizer) {
       }
     }
   }
+}
+
+// The document tiling (tiles cut from each document's start, idle slots between documents)
+// against the CPU quantizer, so against the packed tiling too: the layouts above, long documents
+// off the tile edges and random ones; every policy, rotated on odd layouts, NVFP4 on some, outputs
+// poisoned with 0xFF (E4M3 NaN) first. At head dim 128 its tiles are the key tiles: the tile codes
+// come from the fused launch.
+TEST(GpuQuantize, DocumentTilingWritesTheCpuQuantizersBytes) {
+  FLAMIA_REQUIRE_GPU();
+  constexpr uint8_t kNaNPoison = 0xFF;
+  std::vector<std::vector<int64_t>> layouts = testlayouts::unaligned_and_empty_documents();
+  layouts.insert(layouts.end(), {kOddDocs, {1024}, {0, 0, 130, 0, 700, 3}, {37, 1000, 515}});
+  for (uint64_t i = 0; i < 4; ++i) {
+    std::vector<int64_t> docs;
+    for (uint64_t j = 0; j < 12; ++j)
+      docs.push_back(int64_t(std::fabs(normal_deviate(11, i, j)) * 200.0));
+    layouts.push_back(docs);
+  }
+  for (const int dim : {64, 128}) {
+    for (size_t i = 0; i < layouts.size(); ++i) {
+      SCOPED_TRACE("dim " + std::to_string(dim) + ", layout " + std::to_string(i));
+      const AttentionBatch b = make_batch(layouts[i], dim, 90 + i, false);
+      QuantizeOptions opt;
+      opt.tiling = QuantizerTiling::kDocument;
+      opt.hadamard = i % 2 == 1;
+      ASSERT_EQ(quantize_gpu_fuses_tile_codes(b.layout(), opt), dim == kKeyTileTokens);
+      for (ScalePolicy p : kAllScalePolicies) {
+        SCOPED_TRACE(to_string(p));
+        opt.policy = p;
+        opt.nvfp4_qk = (i + size_t(p)) % 3 == 0;
+        const QuantizedAttention gpu = run_gpu(b, opt, Arrangement::kDense, true, kNaNPoison);
+        expect_same(quantize_cpu(b.inputs(), opt), gpu);
+        if (HasFailure()) return;  // one case's report is enough
+      }
+    }
+  }
+}
+
+// kAuto: the packed tiles where they are the key tiles already, the document tiles where the
+// documents start off them, the packed tiles again where documents are too short for theirs.
+TEST(GpuQuantize, AutoTilingRule) {
+  auto tiling = [](const std::vector<int64_t>& docs, int dim) {
+    const AttentionBatch b = make_batch(docs, dim, 1, false);
+    return quantize_gpu_tiling(b.layout(), QuantizeOptions{});
+  };
+  EXPECT_EQ(tiling({1024, 256, 384}, 128), QuantizerTiling::kPacked);
+  EXPECT_EQ(tiling({37, 1000, 515}, 128), QuantizerTiling::kDocument);
+  EXPECT_EQ(tiling({37, 1000, 515}, 64), QuantizerTiling::kDocument);
+  EXPECT_EQ(tiling(std::vector<int64_t>(100, 150), 128), QuantizerTiling::kDocument);
+  EXPECT_EQ(tiling(std::vector<int64_t>(100, 40), 128), QuantizerTiling::kPacked);
+  const AttentionBatch b = make_batch({37, 1000, 515}, 128, 1, false);
+  QuantizeOptions packed;
+  packed.tiling = QuantizerTiling::kPacked;
+  EXPECT_EQ(quantize_gpu_tiling(b.layout(), packed), QuantizerTiling::kPacked);
+  EXPECT_FALSE(quantize_gpu_fuses_tile_codes(b.layout(), packed));
+  EXPECT_TRUE(quantize_gpu_fuses_tile_codes(b.layout(), QuantizeOptions{}));
 }
 
 TEST(GpuQuantize, RejectsBadArguments) {

@@ -36,27 +36,61 @@ void require_vector_input(const char* name, const TokenTensor<const uint16_t>& v
                 ")");
 }
 
-template <int kDim, bool kRotate>
+// The document tiling's list: slot -> the tokens [x, y) of its tile (x < 0: idle).
+__global__ void document_tiles_kernel(const int32_t* cu_seqlens, int num_docs, int tile, int slots,
+                                      int2* out) {
+  const int slot = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (slot >= slots) return;
+  const sm90::quant::TileRange r = sm90::quant::document_tile(
+      [&](int b) { return __ldg(cu_seqlens + b); }, num_docs, tile, slot);
+  out[slot] = make_int2(r.t0, r.t_end);
+}
+
+using sm90::quant::Tiles;
+
+template <int kDim, bool kRotate, Tiles kTiles>
 void launch(const KernelArgs& args, int tiles, cudaStream_t stream) {
-  sm90::quant::quantize_kernel<kDim, kRotate><<<tiles, kThreads, 0, stream>>>(args);
+  sm90::quant::quantize_kernel<kDim, kRotate, kTiles><<<tiles, kThreads, 0, stream>>>(args);
   FLAMIA_CUDA_CHECK_LAUNCH();
 }
 
+template <Tiles kTiles>
 void launch_for(int dim, bool rotate, const KernelArgs& args, int tiles, cudaStream_t stream) {
   constexpr int kSmallDim = 64, kLargeDim = 128;
   if (dim == kSmallDim) {
-    rotate ? launch<kSmallDim, true>(args, tiles, stream)
-           : launch<kSmallDim, false>(args, tiles, stream);
+    rotate ? launch<kSmallDim, true, kTiles>(args, tiles, stream)
+           : launch<kSmallDim, false, kTiles>(args, tiles, stream);
   } else {
-    rotate ? launch<kLargeDim, true>(args, tiles, stream)
-           : launch<kLargeDim, false>(args, tiles, stream);
+    rotate ? launch<kLargeDim, true, kTiles>(args, tiles, stream)
+           : launch<kLargeDim, false, kTiles>(args, tiles, stream);
   }
+}
+
+void launch_for(int dim, bool rotate, const KernelArgs& args, int tiles, cudaStream_t stream) {
+  args.document_tiles != nullptr ? launch_for<Tiles::kDocument>(dim, rotate, args, tiles, stream)
+                                 : launch_for<Tiles::kPacked>(dim, rotate, args, tiles, stream);
 }
 
 }  // namespace
 
-bool quantize_gpu_fuses_tile_codes(const PackedLayout& layout) {
-  return sm90::quant::tiles_are_key_tiles(layout.cu_seqlens, layout.num_docs, layout.tokens,
+QuantizerTiling quantize_gpu_tiling(const PackedLayout& layout, const QuantizeOptions& options) {
+  if (options.tiling != QuantizerTiling::kAuto) return options.tiling;
+  // At most this many document slots per packed tile (documents of ~128 tokens at head dim 128).
+  constexpr int64_t kMaxSlotsPerPackedTile = 2;
+  const int tile = sm90::quant::tile_tokens(layout.head_dim);
+  const int64_t packed = (layout.tokens + tile - 1) / tile;
+  if (sm90::quant::tiles_are_key_tiles(layout.cu_seqlens, layout.num_docs, layout.tokens,
+                                       layout.head_dim) ||
+      sm90::quant::document_slot_count(layout.tokens, layout.num_docs, tile) >
+          kMaxSlotsPerPackedTile * packed)
+    return QuantizerTiling::kPacked;
+  return QuantizerTiling::kDocument;
+}
+
+bool quantize_gpu_fuses_tile_codes(const PackedLayout& layout, const QuantizeOptions& options) {
+  if (sm90::quant::tile_tokens(layout.head_dim) != kKeyTileTokens) return false;
+  return quantize_gpu_tiling(layout, options) == QuantizerTiling::kDocument ||
+         sm90::quant::tiles_are_key_tiles(layout.cu_seqlens, layout.num_docs, layout.tokens,
                                           layout.head_dim);
 }
 
@@ -104,10 +138,13 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   args.num_docs = pl.num_docs;
   args.non_finite = reinterpret_cast<unsigned long long*>(out.non_finite_first);
   const int tile = sm90::quant::tile_tokens(pl.head_dim);
-  const int64_t token_tiles = (pl.tokens + tile - 1) / tile;
+  const bool document_tiling = quantize_gpu_tiling(pl, options) == QuantizerTiling::kDocument;
+  const int64_t token_tiles = document_tiling
+                                  ? sm90::quant::document_slot_count(pl.tokens, pl.num_docs, tile)
+                                  : (pl.tokens + tile - 1) / tile;
   // The quantizer writes the tile codes itself where its tiles are the key tiles (no pass
-  // re-reading the codes: docs/PERF.md, item 118).
-  const bool fused_tiles = quantize_gpu_fuses_tile_codes(pl);
+  // re-reading the codes: docs/PERF.md, items 118 and 130).
+  const bool fused_tiles = quantize_gpu_fuses_tile_codes(pl, options);
   int64_t tiles = 0;
   for (int i = 0; i < num_ops; ++i) {
     const Job& j = jobs[i];
@@ -177,6 +214,16 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   }
 
   const bool rotate = options.hadamard;
+  int2* document_tiles = nullptr;
+  if (document_tiling) {
+    constexpr int kListThreads = 256;
+    FLAMIA_CUDA_CHECK(cudaMallocAsync(&document_tiles, token_tiles * sizeof(int2), stream));
+    document_tiles_kernel<<<int((token_tiles + kListThreads - 1) / kListThreads), kListThreads, 0,
+                            stream>>>(in.cu_seqlens, pl.num_docs, tile, int(token_tiles),
+                                      document_tiles);
+    FLAMIA_CUDA_CHECK_LAUNCH();
+    args.document_tiles = document_tiles;
+  }
   if (options.policy == ScalePolicy::kTensor) {
     void* workspace = nullptr;
     const size_t bytes = kNumOperands * sizeof(unsigned);
@@ -191,6 +238,7 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   } else {
     launch_for(pl.head_dim, rotate, args, int(tiles), stream);
   }
+  if (document_tiles != nullptr) FLAMIA_CUDA_CHECK(cudaFreeAsync(document_tiles, stream));
   if (fused_tiles) return;
   for (int i = 0; i < num_ops; ++i) {
     const DeviceE4M3Operand& dst = *jobs[i].dst;

@@ -50,6 +50,51 @@ inline bool tiles_are_key_tiles(const int32_t* cu_seqlens, int num_docs, int64_t
   return true;
 }
 
+// ---- document tiles ----------------------------------------------------------------------------
+//
+// The packed tiling cuts tiles at multiples of the tile size in the packed buffer. The document
+// tiling cuts each document from its own start instead: tile j of document b is tokens
+// [cu[b] + j tile, min(cu[b] + (j + 1) tile, cu[b + 1])). Every tile then lies in one document,
+// its codes_t span is aligned (find_span), block32's and vgroup16's groups need no halo, and at
+// head dim 128 the tiles are the key tiles. Document b's tiles take the slots from
+// document_slot_base(b) = floor(cu[b] / tile) + b on: consecutive bases differ by
+// floor(cu[b + 1] / tile) - floor(cu[b] / tile) + 1 >= floor(L_b / tile) + 1 >= ceil(L_b / tile),
+// the document's tile count, and by at most one more, so document_slot_count slots hold every
+// tile, with at most one idle slot per document.
+FLAMIA_HD int64_t document_slot_base(int64_t doc_begin, int doc, int tile) {
+  return doc_begin / tile + doc;
+}
+FLAMIA_HD int64_t document_slot_count(int64_t tokens, int num_docs, int tile) {
+  return document_slot_base(tokens, num_docs, tile);
+}
+
+struct TileRange {
+  int32_t t0, t_end;  // t0 < 0: an idle slot
+};
+
+// The kernel's two tilings, each its own instantiation: the packed one's code stays as it was
+// before the document tiling existed (the quantizer's schedule moves with any change there).
+enum class Tiles { kPacked, kDocument };
+
+// The tile of a slot: its document is the last whose base is at or before it (the bases strictly
+// increase; a binary search reading `cu(b)` = cu_seqlens[b]).
+template <typename Cu>
+FLAMIA_HD TileRange document_tile(const Cu& cu, int num_docs, int tile, int64_t slot) {
+  int lo = 0, hi = num_docs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (document_slot_base(cu(mid), mid, tile) <= slot) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int64_t begin = cu(lo), end = cu(lo + 1);
+  const int64_t t0 = begin + (slot - document_slot_base(begin, lo, tile)) * tile;
+  if (t0 >= end) return {-1, -1};
+  return {int32_t(t0), int32_t(std::min<int64_t>(t0 + tile, end))};
+}
+
 template <int kDim>
 struct Geometry {
   static constexpr int kTileTokens = tile_tokens(kDim);
@@ -119,8 +164,9 @@ struct TransposedSpan {
   int doc_hi;
   int first_shared;  // 1: chunk 0 straddles t0, the tile writes its tokens from t0 on
   int last_shared;   // 1: the last chunk straddles t_end, the tile writes those before it
-  int aligned;       // 1: the tile's tokens are whole 16-aligned groups of one document: chunk
-                     // k < (t_end - t0) / 16 is tile tokens 16k .. 16k + 15, the chunks after
+  int aligned;       // 1: the tile's tokens are 16-aligned groups of one document (whole; under
+                     // the document tiling the last may end with the document): chunk k <
+                     // ceil((t_end - t0) / 16) is tile tokens 16k .. 16k + 15, the chunks after
                      // them are gaps (the document ends at t_end)
 };
 
@@ -149,7 +195,7 @@ FLAMIA_HD int docs_ending_by(const Lanes& lanes, const Cu& cu, int lo, int hi, i
 // Stage A, one warp: the tile's span, and the window cu[doc_lo ..] into `window` (every lane
 // returns the same span). At most two searches of cu_seqlens, each no read for one document.
 // `lanes.each(f)` runs f(l) for every lane l, `lanes.sync()` makes the lanes' writes visible.
-template <typename Lanes, typename Cu>
+template <Tiles kTiles, typename Lanes, typename Cu>
 FLAMIA_HD TransposedSpan find_span(const Lanes& lanes, const Cu& cu, int32_t* window, int num_docs,
                                    int tokens, int64_t tokens_t, int t0, int t_end) {
   TransposedSpan s{};
@@ -182,7 +228,14 @@ FLAMIA_HD TransposedSpan find_span(const Lanes& lanes, const Cu& cu, int32_t* wi
       t0 == 0 ? 0 : transposed_doc_begin(begin_lo, s.doc_lo) + (t0 - begin_lo) / kGroup * kGroup;
   s.chunks = int((end - s.pos) / kGroup);
   s.first_shared = (t0 - begin_lo) % kGroup != 0;
-  s.aligned = !s.first_shared && (t_end - t0) % kGroup == 0 && window[1] >= t_end;
+  if constexpr (kTiles == Tiles::kDocument) {
+    // One document's tokens in whole groups, the last one partial only where the document ends
+    // (the shared tile holds code 0 past t_end). Not tile 0 after leading empty documents.
+    s.aligned =
+        !s.first_shared && window[1] >= t_end && ((t_end - t0) % kGroup == 0 || window[1] == t_end);
+  } else {
+    s.aligned = !s.first_shared && (t_end - t0) % kGroup == 0 && window[1] >= t_end;
+  }
   return s;
 }
 
@@ -372,12 +425,14 @@ FLAMIA_HD int item_dim(int row) {
 // own positions, then zeros for the gaps after a document ending at t_end. Consecutive lanes take
 // consecutive chunks of a dim: one warp stores four rows of the tile. `tile[d]` is dim d's row of
 // the shared tile; rows.storeN(d, p, x) writes N bytes at position p of codes_t's row of dim d.
-template <int kDim, typename Rows>
+template <int kDim, Tiles kTiles, typename Rows>
 FLAMIA_HD void store_aligned_span(const TransposedSpan& s,
                                   const uint32_t (*tile)[Geometry<kDim>::kTileWords],
                                   int tile_tokens, int thread, Rows& rows) {
   constexpr int kChunks = Geometry<kDim>::kTileChunks;
-  const int groups = tile_tokens / kGroup;  // kChunks but in a short last tile
+  // kChunks but in a short tile; a partial last group under the document tiling only.
+  const int groups =
+      kTiles == Tiles::kDocument ? (tile_tokens + kGroup - 1) / kGroup : tile_tokens / kGroup;
   for (int idx = thread; idx < kDim * kChunks; idx += kThreads) {
     const int d = idx / kChunks, k = idx % kChunks;
     if (k < groups)

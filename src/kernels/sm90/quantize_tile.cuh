@@ -1,6 +1,8 @@
-// The fused quantizer's kernel (DESIGN §3): one CTA quantizes a tile of kTileElems elements (128
-// tokens at head dim 128, 256 at 64) of one head of one operand, writing every array quantize_cpu
-// writes, bit for bit.
+// The fused quantizer's kernel (DESIGN §3): one CTA quantizes a tile of up to kTileElems elements
+// (128 tokens at head dim 128, 256 at 64) of one head of one operand, writing every array
+// quantize_cpu writes, bit for bit. Tiles are packed (multiples of the tile size in the packed
+// buffer) or, with KernelArgs::document_tiles, cut from each document's start
+// (quantize_geometry.h).
 //
 // Work split. A row (token, head) of D BF16 values is D/8 lanes of one 16-byte load each; a thread
 // owns the same 8-element chunk of 4 consecutive tokens per pass (two passes), so after quantizing
@@ -18,10 +20,11 @@
 //   P  block32/floor need the maxima of the document-local 32-token blocks that straddle the tile
 //      edges: the tile reads a halo of up to 31 rows on each side, only as far as the blocks of
 //      its first and last token reach (documents start at arbitrary offsets, so tiles aligned in
-//      the packed buffer never align with blocks). vgroup16's V needs per-channel maxima of
-//      document-local 16-key groups: one item per (group starting in the tile or holding its first
-//      token, channel chunk) reads the whole group, at most 15 rows beyond the tile, and spreads
-//      its exponents. A token's document comes from a binary search in cu_seqlens;
+//      the packed buffer never align with blocks; document tiles do, and read none). vgroup16's V
+//      needs per-channel maxima of document-local 16-key groups: one item per (group starting in
+//      the tile or holding its first token, channel chunk) reads the whole group, at most 15 rows
+//      beyond the tile, and spreads its exponents. A token's document comes from a binary search in
+//      cu_seqlens;
 //   E  one thread per token computes its exponent (every lane of a row doing it costs ~20 % of
 //      the token policy's throughput) and the NVFP4 token exponent, into shared memory; unless the
 //      span is aligned (the tile's tokens are whole 16-aligned groups of one document), one
@@ -29,9 +32,10 @@
 //      tile) from the window: no read of cu_seqlens unless the tile touches 32 documents;
 //   B  codes (hardware RNE conversion, proven equal to e4m3::encode), NVFP4 nibbles and local
 //      scales, and the transposed words (tile token order) into a swizzled shared tile;
-//   T  (each tile one document's key tile: tiles_are_key_tiles) K's codes_tiles and V's
-//      codes_t_tiles from the codes just made, at the tile's largest exponent, beside them in B
-//      and S (otherwise the tile passes of tile_codes.h make them);
+//   T  (each tile one document's key tile: the document tiling at head dim 128, or packed
+//      tiles where tiles_are_key_tiles holds) K's codes_tiles and V's codes_t_tiles from the
+//      codes just made, at the tile's largest exponent, beside them in B and S (otherwise the
+//      tile passes of tile_codes.h make them);
 //   S  codes_t, per chunk of the span and dim: an aligned span copies aligned vectors of the
 //      shared tile in slot order (16-byte stores, as when codes_t had no document positions) and
 //      zeroes the gaps after a document ending at the tile's end; another span gathers each
@@ -72,8 +76,7 @@ struct OperandArgs {
   uint8_t* nv_scales = nullptr;
   uint8_t* nv_exponents = nullptr;
   // K's codes_tiles and V's codes_t_tiles where this kernel writes them: when every tile is one
-  // document-relative key tile with an aligned span of codes_t (tiles_are_key_tiles); null
-  // otherwise.
+  // document-relative key tile (quantize_gpu_fuses_tile_codes); null otherwise.
   uint8_t* codes_tiles = nullptr;
   uint8_t* codes_t_tiles = nullptr;
   int first_tile = 0;  // this operand's tiles are [first_tile, next operand's first_tile)
@@ -90,6 +93,9 @@ struct KernelArgs {
   unsigned long long* non_finite = nullptr;  // [kNumOperands]
   unsigned* tensor_amax = nullptr;           // [num_ops] float bits, like ops; tensor policy only
   bool amax_only = false;                    // the tensor policy's first launch
+  // The document tiling's instantiation: each operand's tile index / heads is a slot, its tokens
+  // [x, y) (x < 0: idle).
+  const int2* document_tiles = nullptr;
 };
 
 template <int kDim>
@@ -435,14 +441,16 @@ __device__ __noinline__ void channel_exponents(const KernelArgs& a, const Operan
 // Exponent of token t0 + i (thread i): its policy's rule over the row maxima in shared memory
 // (vgroup16's V keeps per-token exponents: the token rule). One thread per token computes it,
 // rather than every lane of the row.
+// Rows from t_limit on (padding; under the document tiling also the next document's, past t_end)
+// take the padding code, the smallest: tile_exponent_max sees the tile's own tokens only.
 template <int kDim>
 __device__ __forceinline__ void token_exponents(const KernelArgs& a, int opi, Smem<kDim>& sm,
-                                                int64_t t0) {
+                                                int64_t t0, int64_t t_limit) {
   const OperandArgs& op = a.ops[opi];
   const int i = threadIdx.x;
   const int64_t t = t0 + i;
   uint8_t code = kPaddingExponentCode, nv_code = kPaddingExponentCode;
-  if (t < a.tokens) {
+  if (t < t_limit) {
     const float amax = sm.row_amax[kBlockHalo + i];
     int e = scale_exponent_up(amax, e4m3::kMax);
     if (op.policy == ScalePolicy::kTensor) {
@@ -622,13 +630,13 @@ struct TransposedRows {
 };
 
 // Stage A, warp 0, while the tile's loads are in flight: the span and the window.
-template <int kDim>
+template <int kDim, Tiles kTiles>
 __device__ __forceinline__ void find_transposed_span(const KernelArgs& a, Smem<kDim>& sm, int t0,
                                                      int t_end) {
   const WarpLanes lanes{int(threadIdx.x)};
   const DocOffsets cu{a.cu_seqlens, a.num_docs, int(a.tokens)};
   const TransposedSpan s =
-      find_span(lanes, cu, sm.window, a.num_docs, int(a.tokens), a.tokens_t, t0, t_end);
+      find_span<kTiles>(lanes, cu, sm.window, a.num_docs, int(a.tokens), a.tokens_t, t0, t_end);
   if (threadIdx.x == 0) sm.span = s;
 }
 
@@ -642,24 +650,31 @@ __device__ __forceinline__ void build_transposed_records(const KernelArgs& a, Sm
 
 // Stage S: the tile's span of codes_t. An aligned span takes the plain 16-byte copies; another
 // one its chunks' records, in batches of kSpanChunks only when empty documents make it longer.
-template <int kDim>
+// V's codes_t_tiles beside codes_t where the launch writes them (OperandArgs::codes_t_tiles):
+// packed, every span is aligned; under the document tiling all but tile 0 after leading empty
+// documents.
+template <int kDim, Tiles kTiles>
 __device__ __forceinline__ void store_transposed(const KernelArgs& a, const OperandArgs& op,
                                                  Smem<kDim>& sm, int h, int t0, int t_end) {
   using G = Geometry<kDim>;
   TransposedRows rows{op.codes_t + int64_t(h) * kDim * a.tokens_t, a.tokens_t};
   if (sm.span.aligned) {
-    store_aligned_span<kDim>(sm.span, sm.transposed, t_end - t0, int(threadIdx.x), rows);
-    // Set only where every span is aligned (OperandArgs::codes_t_tiles).
+    store_aligned_span<kDim, kTiles>(sm.span, sm.transposed, t_end - t0, int(threadIdx.x), rows);
     if (op.codes_t_tiles != nullptr) {
       TransposedRows tile_rows{op.codes_t_tiles + int64_t(h) * kDim * a.tokens_t, a.tokens_t};
-      store_aligned_span<kDim>(sm.span, sm.transposed_tiles, t_end - t0, int(threadIdx.x),
-                               tile_rows);
+      store_aligned_span<kDim, kTiles>(sm.span, sm.transposed_tiles, t_end - t0, int(threadIdx.x),
+                                       tile_rows);
     }
     return;
   }
   const int chunks = sm.span.chunks;  // CTA-uniform
   for (int base = 0;;) {
     store_span_chunks<kDim>(sm.span, sm.chunk_records, sm.transposed, base, int(threadIdx.x), rows);
+    if (kTiles == Tiles::kDocument && op.codes_t_tiles != nullptr) {
+      TransposedRows tile_rows{op.codes_t_tiles + int64_t(h) * kDim * a.tokens_t, a.tokens_t};
+      store_span_chunks<kDim>(sm.span, sm.chunk_records, sm.transposed_tiles, base,
+                              int(threadIdx.x), tile_rows);
+    }
     base += G::kSpanChunks;
     if (base >= chunks) break;
     __syncthreads();  // the records are read
@@ -668,9 +683,44 @@ __device__ __forceinline__ void store_transposed(const KernelArgs& a, const Oper
   }
 }
 
+// The tile's exponent rows, padding tokens included. Packed tiles start 16-aligned and reach Tp
+// (a multiple of 16) where they end the batch, their rows past t_end holding the padding code:
+// 16-byte stores. Document tiles: 16-byte stores where that holds as well, else one byte per
+// token, and the padding after the batch's last token from the tile ending there.
+template <int kDim, Tiles kTiles>
+__device__ __forceinline__ void store_exponent_rows(const KernelArgs& a, const OperandArgs& op,
+                                                    const Smem<kDim>& sm, int h, int t0,
+                                                    int t_end) {
+  using G = Geometry<kDim>;
+  const int64_t tp = a.tokens_padded;
+  const int i = threadIdx.x;
+  if (kTiles == Tiles::kPacked ||
+      (t0 % kVectorBytes == 0 && (t_end - t0 == G::kTileTokens || t_end == a.tokens))) {
+    const int chunks = int(min(int64_t(G::kTileTokens), tp - t0)) / kVectorBytes;
+    if (i < chunks) {
+      *reinterpret_cast<uint4*>(op.exponents + h * tp + t0 + i * kVectorBytes) =
+          *reinterpret_cast<const uint4*>(&sm.exps[i * kVectorBytes]);
+      if (op.nv_packed != nullptr)
+        *reinterpret_cast<uint4*>(op.nv_exponents + h * tp + t0 + i * kVectorBytes) =
+            *reinterpret_cast<const uint4*>(&sm.nv_exps[i * kVectorBytes]);
+    }
+    return;
+  }
+  uint8_t* exps = op.exponents + h * tp;
+  uint8_t* nv_exps = op.nv_packed != nullptr ? op.nv_exponents + h * tp : nullptr;
+  if (i < t_end - t0) {
+    exps[t0 + i] = sm.exps[i];
+    if (nv_exps != nullptr) nv_exps[t0 + i] = sm.nv_exps[i];
+  }
+  if (t_end == a.tokens && a.tokens + i < tp) {
+    exps[a.tokens + i] = kPaddingExponentCode;
+    if (nv_exps != nullptr) nv_exps[a.tokens + i] = kPaddingExponentCode;
+  }
+}
+
 // ---- the kernel -------------------------------------------------------------------------------
 
-template <int kDim, bool kRotate>
+template <int kDim, bool kRotate, Tiles kTiles>
 __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasPerSm)
     quantize_kernel(const __grid_constant__ KernelArgs a) {
   using G = Geometry<kDim>;
@@ -683,8 +733,16 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   const int tile = int(blockIdx.x) - op.first_tile;
   const int h = tile % op.heads;
   // Token indices fit int32 (validate() bounds the token count); flat offsets are int64.
-  const int t0 = tile / op.heads * G::kTileTokens;
-  const int t_end = int(min(int64_t(t0) + G::kTileTokens, a.tokens));
+  int t0, t_end;
+  if constexpr (kTiles == Tiles::kDocument) {
+    const int2 range = a.document_tiles[tile / op.heads];
+    if (range.x < 0) return;  // an idle slot: the whole CTA, before any barrier
+    t0 = range.x;
+    t_end = range.y;
+  } else {
+    t0 = tile / op.heads * G::kTileTokens;
+    t_end = int(min(int64_t(t0) + G::kTileTokens, a.tokens));
+  }
   const int c = threadIdx.x % kL;
   const int group = threadIdx.x / kL;
   auto tile_token = [&](int p, int r) { return p * G::kTokensPerPass + group * kQuadTokens + r; };
@@ -701,7 +759,7 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   // codes_t's span: warp 0 searches cu_seqlens while the loads are in flight (read after stage
   // P's barrier).
   if (op.codes_t != nullptr && !a.amax_only && threadIdx.x < kWarpLanes)
-    find_transposed_span<kDim>(a, sm, t0, t_end);
+    find_transposed_span<kDim, kTiles>(a, sm, t0, t_end);
   uint32_t any_bad = 0;
 #pragma unroll
   for (int p = 0; p < G::kPasses; ++p)
@@ -774,7 +832,8 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   __syncthreads();
 
   // E: one exponent per token; the records of codes_t's chunks unless the span is aligned.
-  if (threadIdx.x < G::kTileTokens) token_exponents<kDim>(a, opi, sm, t0);
+  if (threadIdx.x < G::kTileTokens)
+    token_exponents<kDim>(a, opi, sm, t0, kTiles == Tiles::kDocument ? t_end : a.tokens);
   if (op.codes_t != nullptr && !sm.span.aligned)
     build_transposed_records<kDim>(a, sm, t0, t_end, 0);
   __syncthreads();
@@ -802,18 +861,10 @@ __global__ void __launch_bounds__(kThreads, kRotate ? kCtasPerSmRotated : kCtasP
   }
   __syncthreads();
 
-  // S: codes_t's span, then the exponent rows of the tile, padding included.
-  if (op.codes_t != nullptr) store_transposed<kDim>(a, op, sm, h, t0, t_end);
-  const int64_t tp = a.tokens_padded;
-  const int span_chunks = int(min(int64_t(G::kTileTokens), tp - t0)) / kVectorBytes;
-  if (int(threadIdx.x) < span_chunks) {
-    const int k = threadIdx.x;
-    *reinterpret_cast<uint4*>(op.exponents + h * tp + t0 + k * kVectorBytes) =
-        *reinterpret_cast<const uint4*>(&sm.exps[k * kVectorBytes]);
-    if (op.nv_packed != nullptr)
-      *reinterpret_cast<uint4*>(op.nv_exponents + h * tp + t0 + k * kVectorBytes) =
-          *reinterpret_cast<const uint4*>(&sm.nv_exps[k * kVectorBytes]);
-  }
+  // S: codes_t's span, then the exponent rows of the tile, and of the padding tokens after the
+  // last one.
+  if (op.codes_t != nullptr) store_transposed<kDim, kTiles>(a, op, sm, h, t0, t_end);
+  store_exponent_rows<kDim, kTiles>(a, op, sm, h, t0, t_end);
 }
 
 }  // namespace flamia::sm90::quant
