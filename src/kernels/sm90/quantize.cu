@@ -139,9 +139,10 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   args.non_finite = reinterpret_cast<unsigned long long*>(out.non_finite_first);
   const int tile = sm90::quant::tile_tokens(pl.head_dim);
   const bool document_tiling = quantize_gpu_tiling(pl, options) == QuantizerTiling::kDocument;
-  const int64_t token_tiles = document_tiling
-                                  ? sm90::quant::document_slot_count(pl.tokens, pl.num_docs, tile)
-                                  : (pl.tokens + tile - 1) / tile;
+  // A head's tiles: packed, or the document tiling's slots (some idle).
+  const int64_t head_tiles = document_tiling
+                                 ? sm90::quant::document_slot_count(pl.tokens, pl.num_docs, tile)
+                                 : (pl.tokens + tile - 1) / tile;
   // The quantizer writes the tile codes itself where its tiles are the key tiles (no pass
   // re-reading the codes: docs/PERF.md, items 118 and 130).
   const bool fused_tiles = quantize_gpu_fuses_tile_codes(pl, options);
@@ -172,7 +173,7 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     }
     o.first_tile = int(tiles);
     o.slot = int(j.id);
-    tiles += token_tiles * j.heads;
+    tiles += head_tiles * j.heads;
     if (pl.tokens == 0) {  // every array is empty but codes_t, which documents make all padding
       if (options.transposed && layout.tokens_t > 0) require_output(j.name, "codes_t", o.codes_t);
       if (writes_codes_t_tiles(options, j.id) && layout.tokens_t > 0)
@@ -217,9 +218,9 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   int2* document_tiles = nullptr;
   if (document_tiling) {
     constexpr int kListThreads = 256;
-    FLAMIA_CUDA_CHECK(cudaMallocAsync(&document_tiles, token_tiles * sizeof(int2), stream));
-    document_tiles_kernel<<<int((token_tiles + kListThreads - 1) / kListThreads), kListThreads, 0,
-                            stream>>>(in.cu_seqlens, pl.num_docs, tile, int(token_tiles),
+    FLAMIA_CUDA_CHECK(cudaMallocAsync(&document_tiles, head_tiles * sizeof(int2), stream));
+    document_tiles_kernel<<<int((head_tiles + kListThreads - 1) / kListThreads), kListThreads, 0,
+                            stream>>>(in.cu_seqlens, pl.num_docs, tile, int(head_tiles),
                                       document_tiles);
     FLAMIA_CUDA_CHECK_LAUNCH();
     args.document_tiles = document_tiles;
