@@ -86,8 +86,8 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
 
 // The tiling quantize_gpu takes on `layout` (kPacked or kDocument). kAuto takes the packed tiles
 // where every document starts at a multiple of kKeyTileTokens (none empty before a non-empty one):
-// there they are the document tiles already. Elsewhere it takes the document tiles unless the
-// documents are so short that they would need more than twice the packed tiles' CTAs.
+// there they are the document tiles already. Elsewhere it takes the document tiles unless they
+// would be more than 3/2 as many as the packed ones (documents too short to fill them).
 QuantizerTiling quantize_gpu_tiling(const PackedLayout& layout, const QuantizeOptions& options);
 
 // Whether quantize_gpu's fused launch writes the tile codes itself on `layout`: head dim 128, and

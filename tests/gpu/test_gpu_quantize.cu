@@ -570,7 +570,8 @@ TEST(GpuQuantize, AutoTilingRule) {
   EXPECT_EQ(tiling({1024, 256, 384}, 128), QuantizerTiling::kPacked);
   EXPECT_EQ(tiling({37, 1000, 515}, 128), QuantizerTiling::kDocument);
   EXPECT_EQ(tiling({37, 1000, 515}, 64), QuantizerTiling::kDocument);
-  EXPECT_EQ(tiling(std::vector<int64_t>(100, 150), 128), QuantizerTiling::kDocument);
+  EXPECT_EQ(tiling(std::vector<int64_t>(100, 100), 128), QuantizerTiling::kDocument);  // 100 : 79
+  EXPECT_EQ(tiling(std::vector<int64_t>(100, 150), 128), QuantizerTiling::kPacked);    // 200 : 118
   EXPECT_EQ(tiling(std::vector<int64_t>(100, 40), 128), QuantizerTiling::kPacked);
   const AttentionBatch b = make_batch({37, 1000, 515}, 128, 1, false);
   QuantizeOptions packed;

@@ -75,16 +75,20 @@ void launch_for(int dim, bool rotate, const KernelArgs& args, int tiles, cudaStr
 
 QuantizerTiling quantize_gpu_tiling(const PackedLayout& layout, const QuantizeOptions& options) {
   if (options.tiling != QuantizerTiling::kAuto) return options.tiling;
-  // At most this many document slots per packed tile (documents of ~128 tokens at head dim 128).
-  constexpr int64_t kMaxSlotsPerPackedTile = 2;
+  if (sm90::quant::tiles_are_key_tiles(layout.cu_seqlens, layout.num_docs, layout.tokens,
+                                       layout.head_dim))
+    return QuantizerTiling::kPacked;
+  // The document tiles win while they are at most 3/2 as many as the packed ones: equal documents
+  // of 100-436 tokens (1.17-1.28 times) quantize 6-18 % faster, of 163 tokens (1.56) as fast, of
+  // 80 and fewer (1.6 and more) slower (docs/PERF.md, item 132).
+  constexpr int64_t kMaxTilesNum = 3, kMaxTilesDen = 2;
   const int tile = sm90::quant::tile_tokens(layout.head_dim);
   const int64_t packed = (layout.tokens + tile - 1) / tile;
-  if (sm90::quant::tiles_are_key_tiles(layout.cu_seqlens, layout.num_docs, layout.tokens,
-                                       layout.head_dim) ||
-      sm90::quant::document_slot_count(layout.tokens, layout.num_docs, tile) >
-          kMaxSlotsPerPackedTile * packed)
-    return QuantizerTiling::kPacked;
-  return QuantizerTiling::kDocument;
+  int64_t document = 0;
+  for (int b = 0; b < layout.num_docs; ++b)
+    document += (layout.cu_seqlens[b + 1] - layout.cu_seqlens[b] + tile - 1) / tile;
+  return kMaxTilesDen * document <= kMaxTilesNum * packed ? QuantizerTiling::kDocument
+                                                          : QuantizerTiling::kPacked;
 }
 
 bool quantize_gpu_fuses_tile_codes(const PackedLayout& layout, const QuantizeOptions& options) {
