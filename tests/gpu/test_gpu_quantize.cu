@@ -533,7 +533,8 @@ TEST(GpuQuantize, DocumentTilingWritesTheCpuQuantizersBytes) {
   FLAMIA_REQUIRE_GPU();
   constexpr uint8_t kNaNPoison = 0xFF;
   std::vector<std::vector<int64_t>> layouts = testlayouts::unaligned_and_empty_documents();
-  layouts.insert(layouts.end(), {kOddDocs, {1024}, {0, 0, 130, 0, 700, 3}, {37, 1000, 515}});
+  layouts.insert(layouts.end(),
+                 {kOddDocs, {1024}, {0, 0, 130, 0, 700, 3}, {37, 1000, 515}, {0, 0, 0}, {1}});
   for (uint64_t i = 0; i < 4; ++i) {
     std::vector<int64_t> docs;
     for (uint64_t j = 0; j < 12; ++j)
@@ -573,6 +574,7 @@ TEST(GpuQuantize, AutoTilingRule) {
   EXPECT_EQ(tiling(std::vector<int64_t>(100, 100), 128), QuantizerTiling::kDocument);  // 100 : 79
   EXPECT_EQ(tiling(std::vector<int64_t>(100, 150), 128), QuantizerTiling::kPacked);    // 200 : 118
   EXPECT_EQ(tiling(std::vector<int64_t>(100, 40), 128), QuantizerTiling::kPacked);
+  EXPECT_EQ(tiling({0, 0}, 64), QuantizerTiling::kPacked);  // no tokens: nothing to tile
   const AttentionBatch b = make_batch({37, 1000, 515}, 128, 1, false);
   QuantizeOptions packed;
   packed.tiling = QuantizerTiling::kPacked;
