@@ -71,31 +71,43 @@ void launch_for(int dim, bool rotate, const KernelArgs& args, int tiles, cudaStr
                                  : launch_for<Tiles::kPacked>(dim, rotate, args, tiles, stream);
 }
 
+// The tiling quantize_gpu takes, and whether its launch writes the tile codes: one look at the
+// layout (cu_seqlens in host memory) for both.
+struct TilePlan {
+  QuantizerTiling tiling;
+  bool fused_tiles;
+};
+
+TilePlan plan_tiles(const PackedLayout& layout, const QuantizeOptions& options) {
+  const int tile = sm90::quant::tile_tokens(layout.head_dim);
+  const bool key_tiles = sm90::quant::tiles_are_key_tiles(layout.cu_seqlens, layout.num_docs,
+                                                          layout.tokens, layout.head_dim);
+  QuantizerTiling tiling = options.tiling;
+  if (tiling == QuantizerTiling::kAuto) {
+    // The document tiles win while they are at most 3/2 as many as the packed ones: equal
+    // documents of 100-436 tokens (1.17-1.28 times) quantize 6-18 % faster, of 163 tokens (1.56)
+    // as fast, of 80 and fewer (1.6 and more) slower (docs/PERF.md, item 132).
+    constexpr int64_t kMaxTilesNum = 3, kMaxTilesDen = 2;
+    const int64_t packed = (layout.tokens + tile - 1) / tile;
+    int64_t document = 0;
+    for (int b = 0; b < layout.num_docs && !key_tiles; ++b)
+      document += (layout.doc_length(b) + tile - 1) / tile;
+    tiling = layout.tokens == 0 || key_tiles || kMaxTilesDen * document > kMaxTilesNum * packed
+                 ? QuantizerTiling::kPacked
+                 : QuantizerTiling::kDocument;
+  }
+  const bool key_tile_size = tile == kKeyTileTokens;
+  return {tiling, key_tile_size && (tiling == QuantizerTiling::kDocument || key_tiles)};
+}
+
 }  // namespace
 
 QuantizerTiling quantize_gpu_tiling(const PackedLayout& layout, const QuantizeOptions& options) {
-  if (options.tiling != QuantizerTiling::kAuto) return options.tiling;
-  if (layout.tokens == 0 || sm90::quant::tiles_are_key_tiles(layout.cu_seqlens, layout.num_docs,
-                                                             layout.tokens, layout.head_dim))
-    return QuantizerTiling::kPacked;
-  // The document tiles win while they are at most 3/2 as many as the packed ones: equal documents
-  // of 100-436 tokens (1.17-1.28 times) quantize 6-18 % faster, of 163 tokens (1.56) as fast, of
-  // 80 and fewer (1.6 and more) slower (docs/PERF.md, item 132).
-  constexpr int64_t kMaxTilesNum = 3, kMaxTilesDen = 2;
-  const int tile = sm90::quant::tile_tokens(layout.head_dim);
-  const int64_t packed = (layout.tokens + tile - 1) / tile;
-  int64_t document = 0;
-  for (int b = 0; b < layout.num_docs; ++b)
-    document += (layout.cu_seqlens[b + 1] - layout.cu_seqlens[b] + tile - 1) / tile;
-  return kMaxTilesDen * document <= kMaxTilesNum * packed ? QuantizerTiling::kDocument
-                                                          : QuantizerTiling::kPacked;
+  return plan_tiles(layout, options).tiling;
 }
 
 bool quantize_gpu_fuses_tile_codes(const PackedLayout& layout, const QuantizeOptions& options) {
-  if (sm90::quant::tile_tokens(layout.head_dim) != kKeyTileTokens) return false;
-  return quantize_gpu_tiling(layout, options) == QuantizerTiling::kDocument ||
-         sm90::quant::tiles_are_key_tiles(layout.cu_seqlens, layout.num_docs, layout.tokens,
-                                          layout.head_dim);
+  return plan_tiles(layout, options).fused_tiles;
 }
 
 void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& options,
@@ -142,14 +154,15 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
   args.num_docs = pl.num_docs;
   args.non_finite = reinterpret_cast<unsigned long long*>(out.non_finite_first);
   const int tile = sm90::quant::tile_tokens(pl.head_dim);
-  const bool document_tiling = quantize_gpu_tiling(pl, options) == QuantizerTiling::kDocument;
+  const TilePlan plan = plan_tiles(pl, options);
+  const bool document_tiling = plan.tiling == QuantizerTiling::kDocument;
   // A head's tiles: packed, or the document tiling's slots (some idle).
   const int64_t head_tiles = document_tiling
                                  ? sm90::quant::document_slot_count(pl.tokens, pl.num_docs, tile)
                                  : (pl.tokens + tile - 1) / tile;
   // The quantizer writes the tile codes itself where its tiles are the key tiles (no pass
   // re-reading the codes: docs/PERF.md, items 118 and 130).
-  const bool fused_tiles = quantize_gpu_fuses_tile_codes(pl, options);
+  const bool fused_tiles = plan.fused_tiles;
   int64_t tiles = 0;
   for (int i = 0; i < num_ops; ++i) {
     const Job& j = jobs[i];
