@@ -23,7 +23,7 @@ struct ItemRows {
   int length;     // the document's length
 };
 
-constexpr int kWarpRows = 16;   // accumulator rows of one warp: two 8-row halves
+constexpr int kWarpRows = wgmma::kM / int(kWarpgroupWarps);  // a warp's accumulator rows
 constexpr int kMatrixRows = 8;  // rows of an stmatrix matrix (8 x 8 BF16)
 
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
@@ -107,11 +107,11 @@ __device__ __forceinline__ void store_o_registers(const Params& p, const float (
   }
 }
 
-// `stage`: the warp's 16 rows of SharedStorage::o_stage (mxfp8), else null.
+// `o_stage`: SharedStorage::o_stage (mxfp8), else null.
 __device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[kAccRegs],
                                               RowState& st, const ItemRows& item,
                                               const int (&row)[kRows], int head, int quad,
-                                              uint8_t* stage) {
+                                              uint8_t (*o_stage)[kOStageRowBytes]) {
   // One division per row, not per element: O = O_acc * (2^R / l), as the emulator computes it.
   float scale[kRows];
 #pragma unroll
@@ -119,9 +119,10 @@ __device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[
     st.l[r] = quad_sum(st.l[r]);
     scale[r] = __fdiv_rn(exp2i(st.ref[r]), st.l[r]);
   }
-  if (stage != nullptr && p.wide_stores) {
+  if (o_stage != nullptr && p.wide_stores) {
     // row[0] is the warp's first row plus lane / 4 (wgmma::acc_row).
-    store_o_staged(p, o, scale, item, row[0] - int(lane_index()) / 4, head, stage);
+    const int warp_row0 = row[0] - int(lane_index()) / 4;
+    store_o_staged(p, o, scale, item, warp_row0, head, o_stage[warp_row0]);
   } else {
     store_o_registers(p, o, scale, item, row, head, quad);
   }

@@ -267,10 +267,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     {
       int row[kRows];
       thread_rows(warpgroup, t, row);
-      uint8_t* stage = nullptr;
-      if constexpr (kOStaged<kScore>)
-        stage = sm.o_stage[warpgroup * wgmma::kM + int(t / kWarpThreads) * kWarpRows];
-      store_outputs(p, o, st, rows, row, item.head, quad, stage);
+      store_outputs(p, o, st, rows, row, item.head, quad, kOStaged<kScore> ? sm.o_stage : nullptr);
     }
     q_state.advance();
   }
