@@ -12,7 +12,7 @@
 namespace flamia::cli {
 namespace {
 
-const char* kNotBuilt = "\u2014";  // an em dash: a gradient the GPU does not compute yet
+const char* kNotBuilt = "\u2014";  // an em dash: a statistic the GPU does not gather
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -85,32 +85,23 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
     const Recipe r = recipes[k];
     AttentionOutputs<float> gpu_out;
     EmulatorStats gpu_stats;
-    bool gpu_backward = false;
     if (gpu) {
       t0 = std::chrono::steady_clock::now();
       gpu_out = gpu_training(batch, problem, variants[k], &gpu_stats);
       const double secs = seconds_since(t0);
-      gpu_backward = !gpu_out.dq.empty();
-      const Similarity o = compare(gpu_out.o, ref.o);
       const std::string label = std::string(to_string(r)) + " [cuda]";
-      if (gpu_backward) {
-        EmulatorResult as_result;
-        as_result.out = gpu_out;
-        as_result.stats = gpu_stats;
-        const AccuracyReport a = accuracy_report(as_result, ref);
-        acc.add_row({label, fmt(a.o.cosine, 5), fmt(a.dq.cosine, 5), fmt(a.dk.cosine, 5),
-                     fmt(a.dv.cosine, 5), fmt_sci(a.o.rel_l2), fmt_sci(a.dq.rel_l2),
-                     fmt_sci(a.dk.rel_l2), fmt_sci(a.dv.rel_l2), fmt_sci(a.lse_max_err),
-                     fmt(secs, 2)});
-        diag.add_row({label, kNotBuilt, fmt_sci(a.ds_zero_fraction_dq),
-                      fmt_sci(a.ds_zero_fraction_dk), fmt_sci(a.residual_p50),
-                      fmt_sci(a.residual_p99), fmt_sci(a.residual_max), kNotBuilt, kNotBuilt,
-                      kNotBuilt, kNotBuilt, kNotBuilt});
-      } else {
-        acc.add_row({label, fmt(o.cosine, 5), kNotBuilt, kNotBuilt, kNotBuilt, fmt_sci(o.rel_l2),
-                     kNotBuilt, kNotBuilt, kNotBuilt, fmt_sci(lse_max_err(gpu_out.lse, ref.lse)),
-                     fmt(secs, 2)});
-      }
+      EmulatorResult as_result;
+      as_result.out = gpu_out;
+      as_result.stats = gpu_stats;
+      const AccuracyReport a = accuracy_report(as_result, ref);
+      acc.add_row({label, fmt(a.o.cosine, 5), fmt(a.dq.cosine, 5), fmt(a.dk.cosine, 5),
+                   fmt(a.dv.cosine, 5), fmt_sci(a.o.rel_l2), fmt_sci(a.dq.rel_l2),
+                   fmt_sci(a.dk.rel_l2), fmt_sci(a.dv.rel_l2), fmt_sci(a.lse_max_err),
+                   fmt(secs, 2)});
+      diag.add_row({label, kNotBuilt, fmt_sci(a.ds_zero_fraction_dq),
+                    fmt_sci(a.ds_zero_fraction_dk), fmt_sci(a.residual_p50),
+                    fmt_sci(a.residual_p99), fmt_sci(a.residual_max), kNotBuilt, kNotBuilt,
+                    kNotBuilt, kNotBuilt, kNotBuilt});
     }
     EmulatorConfig cfg;
     cfg.recipe = r;
@@ -142,7 +133,6 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
       // GPU-vs-emulator rel L2 as a fraction of the emulator's own error against FP64.
       auto ratio = [&](const std::vector<float>& g, const std::vector<float>& e,
                        const Similarity& own) {
-        if (g.empty()) return std::string(kNotBuilt);
         const double diff = compare(g, std::vector<double>(e.begin(), e.end())).rel_l2;
         return fmt(own.rel_l2 > 0 ? diff / own.rel_l2 : 0.0, 3);
       };
@@ -159,9 +149,8 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
   if (gpu) {
     acc.notes.push_back(
         "[cuda]: the GPU training call, forward then backward (time: upload, quantize, "
-        "attention, statistics, download; the first also starts CUDA); with --hadamard only the "
-        "forward runs on the GPU (no rotated backward), so dQ, dK, dV are " +
-        std::string(kNotBuilt) + ". [emulator]: the CPU emulator with the kernels' tiles.");
+        "attention, statistics, download; the first also starts CUDA). [emulator]: the CPU "
+        "emulator with the kernels' tiles.");
     if (problem.forward.block_m != forward_tiles.block_m ||
         problem.forward.block_n != forward_tiles.block_n ||
         problem.backward.block_m != backward_tiles.block_m ||
@@ -198,8 +187,8 @@ int cmd_accuracy(int argc, char** argv, int first) {
   Args args("accuracy",
             "Runs each recipe through the CPU emulator of the microscaled algorithm and compares "
             "O, dQ, dK, dV and LSE with an FP64 reference on the same BF16 inputs. With "
-            "--backend cuda, each recipe's GPU training call (forward and backward; the forward "
-            "alone with --hadamard) is compared too, with FP64 and with the emulator run with the "
+            "--backend cuda, each recipe's GPU training call (forward and backward) is compared "
+            "too, with FP64 and with the emulator run with the "
             "kernels' tiles, and the backward kernel's own statistics and the forward/backward "
             "score consistency are printed.",
             specs, argc, argv, first);

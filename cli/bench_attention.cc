@@ -85,6 +85,7 @@ struct Options {
   double warmup_ms = bench::kSustainedWarmupMs;  // each stage's warm-up lasts at least this long
   bool graphs = true;
   bool deterministic = false;              // also time the backward with deterministic dQ
+  bool hadamard = false;                   // Q and K Hadamard-rotated (mxfp8 only)
   bool peer_bf16 = true, peer_fp8 = true;  // cuDNN peers timed (--peers)
   std::vector<Recipe> recipes{Recipe::kMxfp8, Recipe::kMxfp8Qk16};  // flamia recipes timed
 };
@@ -95,8 +96,8 @@ std::string bare(const Error& e) {
   return m.compare(0, prefix.size(), prefix) == 0 ? m.substr(prefix.size()) : m;
 }
 
-std::string impl_name(Recipe r) {
-  return std::string("flamia ") + to_string(r);
+std::string impl_name(Recipe r, bool hadamard) {
+  return std::string("flamia ") + to_string(r) + (hadamard ? " + Hadamard" : "");
 }
 
 PackedLayout packed_layout(const Workload& w, const std::vector<int32_t>& cu_seqlens) {
@@ -104,9 +105,11 @@ PackedLayout packed_layout(const Workload& w, const std::vector<int32_t>& cu_seq
           w.head_dim};
 }
 
-GpuAttentionOptions gpu_options(const Workload& w, Recipe recipe, bool deterministic = false) {
+GpuAttentionOptions gpu_options(const Workload& w, Recipe recipe, bool hadamard,
+                                bool deterministic = false) {
   GpuAttentionOptions go;
   go.recipe = recipe;
+  go.hadamard = hadamard;
   go.attention.causal = w.causal;
   go.attention.softmax_scale = 1.0 / std::sqrt(double(w.head_dim));
   go.deterministic = deterministic;
@@ -245,12 +248,16 @@ PeerTensors make_peer_tensors(const bench::SdpaProblem& p, CudnnLayout layout, s
 // LSE the forward writes and the backward reads; and the calls on them.
 class FlamiaWorkload {
  public:
-  FlamiaWorkload(const Workload& w, const Buffers& b)
-      : w_(w), b_(b), cu_(cu_seqlens_from_lengths(w.docs)) {}
+  FlamiaWorkload(const Workload& w, const Buffers& b, bool hadamard)
+      : w_(w), b_(b), cu_(cu_seqlens_from_lengths(w.docs)), hadamard_(hadamard) {}
 
   PackedLayout layout() const { return packed_layout(w_, cu_); }
   // Token policy with transposed copies: what the kernels consume.
-  static QuantizeOptions quantize_options() { return {}; }
+  QuantizeOptions quantize_options() const {
+    QuantizeOptions q;
+    q.hadamard = hadamard_;
+    return q;
+  }
 
   DeviceAttentionInputs inputs(int set) const {
     const size_t s = size_t(set);
@@ -319,6 +326,7 @@ class FlamiaWorkload {
   const Workload& w_;
   const Buffers& b_;
   std::vector<int32_t> cu_;
+  bool hadamard_;
   std::vector<Set> sets_;
 };
 
@@ -529,12 +537,13 @@ class Runner {
   }
 
   void run_flamia(WorkloadResult& r, const Buffers& b) {
-    FlamiaWorkload x(r.w, b);
+    FlamiaWorkload x(r.w, b, opt_.hadamard);
     {
-      const QuantizeOptions opt = FlamiaWorkload::quantize_options();
+      const QuantizeOptions opt = x.quantize_options();
       const cuda::QuantizeOutputs out(x.layout(), opt, /*backward=*/true);
       const auto t = time([&](int set) { quantize_gpu(x.inputs(set), opt, out.view(), stream_); });
-      add(r, "flamia mxfp8", "quantize Q K V dO (quantize_gpu)", "packed", t, 0);
+      add(r, impl_name(Recipe::kMxfp8, opt_.hadamard), "quantize Q K V dO (quantize_gpu)", "packed",
+          t, 0);
       r.quantize_ms = t.median_ms;
     }
     if (opt_.recipes.empty()) return;
@@ -545,7 +554,7 @@ class Runner {
         run_recipe(r, x, f);
       } catch (const Error& e) {
         f.reason = bare(e);
-        progress(r.w.name + ": " + impl_name(recipe) + " stopped: " + f.reason);
+        progress(r.w.name + ": " + impl_name(recipe, opt_.hadamard) + " stopped: " + f.reason);
         cudaGetLastError();  // a failed launch must not poison the next stage
       }
       r.flamia.push_back(f);
@@ -554,7 +563,7 @@ class Runner {
 
   // One recipe's stages. Each records its time in `f` as it ends, so a failure keeps those before.
   void run_recipe(WorkloadResult& r, const FlamiaWorkload& x, FlamiaOutcome& f) {
-    const std::string impl = impl_name(f.recipe);
+    const std::string impl = impl_name(f.recipe, opt_.hadamard);
     const double ff = r.w.forward_flops(), bf = r.w.backward_flops();
     auto stage = [&](const std::string& name, double flops,
                      const std::function<void(int)>& enqueue) {
@@ -562,7 +571,7 @@ class Runner {
       add(r, impl, name, "packed", t, flops);
       return t.median_ms;
     };
-    GpuAttention attention(x.layout(), gpu_options(r.w, f.recipe));
+    GpuAttention attention(x.layout(), gpu_options(r.w, f.recipe, opt_.hadamard));
     // One untimed training call: the first calls allocate the owned quantizer buffers and the
     // backward's workspaces (nothing may be allocated while a CUDA graph is captured); the
     // quantizer reports non-finite inputs.
@@ -582,7 +591,8 @@ class Runner {
     f.bwd_ms = stage("backward kernels (quantized Q K V dO, O, LSE)", bf,
                      [&](int set) { x.backward_quantized(attention, set, stream_); });
     if (opt_.deterministic) {
-      GpuAttention ordered(x.layout(), gpu_options(r.w, f.recipe, /*deterministic=*/true));
+      GpuAttention ordered(x.layout(),
+                           gpu_options(r.w, f.recipe, opt_.hadamard, /*deterministic=*/true));
       x.backward_quantized(ordered, 0, stream_);  // allocates its workspaces, untimed
       stage("deterministic backward kernels (quantized Q K V dO, O, LSE)", bf,
             [&](int set) { x.backward_quantized(ordered, set, stream_); });
@@ -700,7 +710,7 @@ Table summary_table(const std::vector<WorkloadResult>& results, const Options& o
   return t;
 }
 
-Table stage_table(const std::vector<WorkloadResult>& results) {
+Table stage_table(const std::vector<WorkloadResult>& results, const Options& opt) {
   Table t;
   t.title =
       "stages (median ms; TFLOP/s on visible pairs: forward 4 pairs d h, backward 2.5x, "
@@ -715,7 +725,8 @@ Table stage_table(const std::vector<WorkloadResult>& results) {
       if (!p.ok) t.add_row({r.w.name, p.impl, "unsupported: " + p.reason, "-", "-", "-", "-"});
     for (const FlamiaOutcome& f : r.flamia)
       if (!f.reason.empty())
-        t.add_row({r.w.name, impl_name(f.recipe), "stopped: " + f.reason, "-", "-", "-", "-"});
+        t.add_row({r.w.name, impl_name(f.recipe, opt.hadamard), "stopped: " + f.reason, "-", "-",
+                   "-", "-"});
   }
   return t;
 }
@@ -752,6 +763,10 @@ int bench_attention(int argc, char** argv, int first) {
         "cuDNN peers to time in the same run: bf16, fp8 (comma-separated), all, or none"},
        {"deterministic", "",
         "also time each recipe's backward with deterministic dQ (ordered accumulation)", true},
+       {"hadamard", "",
+        "flamia with Q and K Hadamard-rotated (quantizer, kernels, dQ and dK rotated back; mxfp8 "
+        "only: pass --recipes mxfp8)",
+        true},
        {"quick", "", "three workloads, 20 reps, 2 warm-ups (for scripts/device-check.sh)", true},
        {"seed", "", "input seed (default: drawn from the clock, so inputs are fresh)"},
        {"csv", "", "also write the stage table to this CSV file"},
@@ -770,6 +785,7 @@ int bench_attention(int argc, char** argv, int first) {
   if (opt.warmup_ms < 0) throw Error("--warmup-ms must not be negative");
   opt.graphs = !args.flag("no-graphs");
   opt.deterministic = args.flag("deterministic");
+  opt.hadamard = args.flag("hadamard");
   if (args.str("peers") != "all") {
     opt.peer_bf16 = opt.peer_fp8 = false;
     if (args.str("peers") != "none")
@@ -818,7 +834,7 @@ int bench_attention(int argc, char** argv, int first) {
     for (Recipe recipe : opt.recipes) {
       const std::vector<int32_t> cu = cu_seqlens_from_lengths(w.docs);
       try {
-        check_gpu_support(packed_layout(w, cu), gpu_options(w, recipe));
+        check_gpu_support(packed_layout(w, cu), gpu_options(w, recipe, opt.hadamard));
       } catch (const Error& e) {
         throw Error("--recipes " + std::string(to_string(recipe)) + " on workload " + w.name +
                     ": " + bare(e) + " (--recipes none times the peers only)");
@@ -839,7 +855,7 @@ int bench_attention(int argc, char** argv, int first) {
   }
   FLAMIA_CUDA_CHECK(cudaStreamDestroy(stream));
 
-  Table summary = summary_table(results, opt), stages = stage_table(results);
+  Table summary = summary_table(results, opt), stages = stage_table(results, opt);
   const std::string header =
       dev.name + ", cuDNN " + bench::cudnn_version() + ", " + std::to_string(opt.reps) +
       " reps after " + std::to_string(opt.warmup) + " warm-ups and at least " +

@@ -22,7 +22,7 @@ struct ProbeRun {
 std::vector<ScalePolicy> resolve_policies(const Problem& problem, const ProbeRun& run);
 
 // One row per policy and control. The cuda backend probes the GPU training call with the
-// deterministic backward: O, LSE and dQ (dQ not probed with Hadamard rotation: forward only).
+// deterministic backward: O, LSE and dQ.
 Table probe_table(const Problem& problem, const ProbeRun& run);
 
 }  // namespace flamia::cli

@@ -127,7 +127,6 @@ void require_gpu_support(const Problem& p, const GpuVariant& v) {
 AttentionOutputs<float> gpu_training(const AttentionBatch& batch, const Problem& p,
                                      const GpuVariant& v, EmulatorStats* diagnostics) {
 #if defined(FLAMIA_HAVE_CUDA)
-  if (v.hadamard) return forward_gpu_to_host(batch, gpu_options(p, v));
   return training_gpu_to_host(batch, gpu_options(p, v), diagnostics);
 #else
   (void)batch;

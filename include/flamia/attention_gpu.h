@@ -31,7 +31,8 @@ constexpr TileShape kGpuBackwardTiles{64, 128};
 struct GpuAttentionOptions {
   Recipe recipe = Recipe::kMxfp8;            // kMxfp8 or kMxfp8Qk16
   ScalePolicy policy = ScalePolicy::kToken;  // any but kVGroup16 (per-channel V cannot be folded)
-  bool hadamard = false;                     // rotate Q, K before quantizing (mxfp8, forward only)
+  // Rotate Q, K along the head dim before quantizing (mxfp8 only); dQ and dK are rotated back.
+  bool hadamard = false;
   AttentionConfig attention;
   // Backward: add dQ partials in key-block order instead of unordered atomics, so dQ is bitwise
   // reproducible run to run (and a prefix's dQ bitwise independent of its suffix); slower.
@@ -41,7 +42,8 @@ struct GpuAttentionOptions {
   bool diagnostics = false;
 };
 
-// Throws Error when the GPU kernels do not implement the combination (recipe, policy, head dim).
+// Throws Error when the GPU kernels do not implement the combination (recipe, policy, rotation,
+// head dim).
 void check_gpu_support(const PackedLayout& layout, const GpuAttentionOptions& options);
 
 struct DeviceAttentionOutputs {
@@ -78,9 +80,9 @@ class GpuAttention {
                cudaStream_t stream);
 
   // Backward from quantized operands (Q, K, V and dO, all with codes_t) and the forward's O (BF16)
-  // and LSE. `in` as for forward. Throws Error (before enqueuing) on null or misaligned pointers,
-  // on Hadamard rotation (not built for the backward) and on a layout other than the
-  // constructor's. The first call allocates the workspaces (an FP32 dQ accumulator [T][Hq][D]).
+  // and LSE. `in` as for forward. Throws Error (before enqueuing) on null or misaligned pointers
+  // and on a layout other than the constructor's. The first call allocates the workspaces (an
+  // FP32 dQ accumulator [T][Hq][D]).
   void backward(const DeviceAttentionInputs& in, const DeviceQuantizedAttention& quant,
                 TokenTensor<const uint16_t> o, const float* lse,
                 const DeviceAttentionGradients& grads, cudaStream_t stream);

@@ -1,9 +1,9 @@
 // The GPU backward and the training call (flamia/attention_gpu.h) against the CPU emulator run
 // with the kernels' tiles (forward kGpuForwardTiles, backward kGpuBackwardTiles) and against FP64:
 // packed documents of 0..1000 tokens at unaligned offsets, GQA, causal and not, both recipes,
-// normal and heavy-tail inputs; then strided gradients with poisoned gaps, the deterministic
-// mode's reproducibility and prefix isolation, repeated calls on one object (the dQ accumulator's
-// clear), and argument checks.
+// normal, heavy-tail and outlier-channel inputs, Hadamard-rotated Q and K (mxfp8); then strided
+// gradients with poisoned gaps, the deterministic mode's reproducibility and prefix isolation,
+// repeated calls on one object (the dQ accumulator's clear), and argument checks.
 //
 // Tolerance (derived; every test prints what it measured as "[measured]" lines):
 //   rel L2(G_gpu - G_emu) <= 0.5 rel L2(G_emu - G_fp64)   for G in dQ, dK, dV
@@ -56,6 +56,7 @@ struct BwdCase {
   InputKind inputs = InputKind::kNormal;
   uint64_t seed = 1;
   bool deterministic = false;  // ordered dQ additions: their own kernel instantiations
+  bool hadamard = false;       // rotated Q and K: dQ and dK rotated back (mxfp8)
 };
 
 BwdCase deterministic_case(BwdCase c) {
@@ -74,6 +75,7 @@ GpuAttentionOptions gpu_options(const BwdCase& c) {
   o.policy = c.policy;
   o.attention.causal = c.causal;
   o.deterministic = c.deterministic;
+  o.hadamard = c.hadamard;
   return o;
 }
 
@@ -99,6 +101,7 @@ TEST_P(GpuAttentionBwd, MatchesEmulatorWithinItsOwnError) {
   EmulatorConfig ec;
   ec.recipe = c.recipe;
   ec.policy = c.policy;
+  ec.hadamard = c.hadamard;
   ec.attention.causal = c.causal;
   ec.forward = kGpuForwardTiles;
   ec.backward = kGpuBackwardTiles;
@@ -142,8 +145,24 @@ std::vector<BwdCase> cases() {
                InputKind::kHeavyTail});
   v.push_back({"Qk16OddDocsCausal", kOddDocs, 4, 4, true, Recipe::kMxfp8Qk16});
   v.push_back({"Qk16GqaNonCausal", kOddDocs, 4, 1, false, Recipe::kMxfp8Qk16});
-  // Every deterministic instantiation (mxfp8 causal also in the tests below).
-  for (int i : {1, 5, 6}) v.push_back(deterministic_case(v[size_t(i)]));
+  // Rotated Q and K, where the rotation matters (outlier channels in K): a wrong butterfly in
+  // dQ's or dK's rotation back mixes channels, an error of order 1.
+  v.push_back({"HadamardOutliersGqa", kOddDocs, 4, 2, true, Recipe::kMxfp8, ScalePolicy::kToken,
+               InputKind::kOutlierChannels, 3, false, true});
+  v.push_back({"HadamardBlock32NonCausal",
+               {1000, 77},
+               2,
+               2,
+               false,
+               Recipe::kMxfp8,
+               ScalePolicy::kBlock32,
+               InputKind::kNormal,
+               4,
+               false,
+               true});
+  // Every deterministic instantiation (mxfp8 causal also in the tests below), and the rotation
+  // with ordered dQ additions.
+  for (int i : {1, 5, 6, 7}) v.push_back(deterministic_case(v[size_t(i)]));
   return v;
 }
 
@@ -259,8 +278,9 @@ std::vector<uint16_t> download_dq(const TrainingRun& r) {
 }
 
 // Deterministic mode: dQ is bitwise equal run to run, and a prefix's dQ (with its O and LSE) is
-// bitwise unchanged when the document's later K, V and dO rows and the other document change.
-// Atomic mode: the run-to-run spread is reported.
+// bitwise unchanged when the document's later K, V and dO rows and the other document change,
+// with Q and K Hadamard-rotated too (dQ's rotation back stays inside each row). Atomic mode: the
+// run-to-run spread is reported.
 TEST(GpuAttentionBwdBuffers, DeterministicDqIsReproducibleAndPrefixIsolated) {
   FLAMIA_REQUIRE_GPU();
   BwdCase c{"probe", {700, 300}, 2, 2};
@@ -275,9 +295,14 @@ TEST(GpuAttentionBwdBuffers, DeterministicDqIsReproducibleAndPrefixIsolated) {
         (*t)[size_t(tok * heads * kDim + e)] =
             bf16::encode(float(std::normal_distribution<double>(0.0, 3.0)(rng)));
   }
-  for (bool deterministic : {true, false}) {
+  struct Mode {
+    bool deterministic, hadamard;
+  };
+  for (const Mode mode : {Mode{true, false}, Mode{true, true}, Mode{false, false}}) {
+    const bool deterministic = mode.deterministic;
     GpuAttentionOptions options = gpu_options(c);
     options.deterministic = deterministic;
+    options.hadamard = mode.hadamard;
     TrainingRun r = strided_run(b), r2 = strided_run(b), rc = strided_run(changed);
     GpuAttention a1(r.layout, options), a2(r.layout, options), ac(r.layout, options);
     run_training(a1, r);
@@ -289,8 +314,9 @@ TEST(GpuAttentionBwdBuffers, DeterministicDqIsReproducibleAndPrefixIsolated) {
     const size_t prefix_elems = size_t(kPrefix * r.dq_stride);
     for (size_t i = 0; i < prefix_elems; ++i) prefix_diff += d1[i] != dc[i];
     std::cout << "[measured] " << (deterministic ? "deterministic" : "atomic")
-              << " dQ: elements differing run to run " << run_diff << " of " << d1.size()
-              << "; prefix elements changed by the suffix " << prefix_diff << "\n";
+              << (mode.hadamard ? ", rotated" : "") << " dQ: elements differing run to run "
+              << run_diff << " of " << d1.size() << "; prefix elements changed by the suffix "
+              << prefix_diff << "\n";
     if (deterministic) {
       EXPECT_EQ(run_diff, 0);
       EXPECT_EQ(prefix_diff, 0);
@@ -370,12 +396,11 @@ TEST(GpuAttentionBwdBuffers, RejectsBadArguments) {
   test::expect_error([&] { attention.backward(no_dout, o, r.lse.get<float>(), grads, nullptr); },
                      "dO");
   test::expect_error([&] { attention.backward(in, o, nullptr, grads, nullptr); }, "LSE");
+  // mxfp8-qk16's score product reads the unrotated BF16 inputs: no rotation there.
   GpuAttentionOptions rotated = gpu_options(c);
+  rotated.recipe = Recipe::kMxfp8Qk16;
   rotated.hadamard = true;
-  GpuAttention with_rotation(r.layout, rotated);
-  with_rotation.forward(in, out, nullptr);
-  test::expect_error([&] { with_rotation.backward(in, o, r.lse.get<float>(), grads, nullptr); },
-                     "Hadamard");
+  test::expect_error([&] { GpuAttention with_rotation(r.layout, rotated); }, "Hadamard");
   FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -60,12 +60,21 @@ using sm90::fwd::ScoreOperand;
 static_assert(kGpuBackwardTiles.block_m == kBlockM && kGpuBackwardTiles.block_n == kBlockN,
               "the emulator's tiles must be the kernel's");
 
-// The main kernel's instantiation for the mask, the dQ addition and diagnostics.
+// The main kernel's instantiation for the mask, the dQ addition, diagnostics and the rotation
+// (mxfp8 only: check_gpu_support).
 template <ScoreOperand kScore, bool kCausal>
 void launch_main_kernel(const sm90::bwd::Params& p, int ctas, cudaStream_t stream) {
   using namespace sm90::bwd;
   if (p.diagnostics != nullptr) {
     launch_backward_diagnostics<kScore, kCausal>(p, ctas, stream);
+  } else if (p.dk_rotated != nullptr) {
+    if constexpr (kScore == ScoreOperand::kE4m3) {
+      (p.dq_turns != nullptr
+           ? launch_backward_rotated<kCausal, DqAddition::kOrdered>
+           : launch_backward_rotated<kCausal, DqAddition::kBulk>)(p, ctas, stream);
+    } else {
+      reject("Hadamard rotation is built for mxfp8 only");
+    }
   } else if (p.dq_turns != nullptr) {
     launch_backward<kScore, kCausal, DqAddition::kOrdered>(p, ctas, stream);
   } else {
@@ -103,8 +112,6 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   if (in.layout.cu_seqlens == nullptr || !same_layout(in.layout, pl))
     reject("the inputs' layout differs from the one this GpuAttention was built for");
   if (in.cu_seqlens == nullptr) reject("device cu_seqlens is null");
-  if (m.options.hadamard)
-    reject("the backward with Hadamard rotation is not built (dQ and dK would need rotating back)");
   const bool qk16 = m.options.recipe == Recipe::kMxfp8Qk16;
   if (qk16) require_bf16_score_operands(in, pl);
   require_codes(quant.q, "Q", !qk16);
@@ -139,6 +146,9 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     b->dq_zeroed = cuda::DeviceBuffer(sizeof(int));
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(b->dq_zeroed.get(), 0, sizeof(int), stream));
     if (m.options.deterministic) b->dq_turns = cuda::DeviceBuffer(slots * sizeof(int));
+    if (m.options.hadamard)
+      b->dk_rotated = cuda::DeviceBuffer(size_t(std::max<int64_t>(pl.tokens, 1)) * pl.heads_kv *
+                                         pl.head_dim * sizeof(float));
     if (m.options.diagnostics) {
       b->diagnostics = cuda::DeviceBuffer(sizeof(sm90::bwd::DiagnosticCounters));
       b->row_sum = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
@@ -215,6 +225,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   p.group = pl.group();
   p.scale_log2 = m.options.attention.scale_log2_for(pl.head_dim);
   p.scale = float(m.options.attention.scale_for(pl.head_dim));
+  if (m.options.hadamard) p.dk_rotated = b.dk_rotated.get<float>();
   if (b.num_items > 0) {
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.counter, 0, sizeof(int), stream));
     launch_main_kernel(p, b.ctas, qk16, m.options.attention.causal, stream);
@@ -231,10 +242,22 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   post.tokens = pl.tokens;
   post.heads_q = pl.heads_q;
   post.scale = p.scale;
+  post.rotate = m.options.hadamard;
   post.dq_zeroed = b.dq_zeroed.get<int>();
   constexpr int kQuad = 4;  // BF16 elements of one 8-byte store
   post.quad_stores = bf16_stores_of(grads.dq, kQuad);
   sm90::bwd::launch_postprocess(post, stream);
+  if (m.options.hadamard) {
+    sm90::bwd::RotateDkParams rot;
+    rot.dk_rotated = p.dk_rotated;
+    rot.dk = grads.dk.data;
+    rot.dk_stride_token = grads.dk.stride_token;
+    rot.dk_stride_head = grads.dk.stride_head;
+    rot.tokens = pl.tokens;
+    rot.heads_kv = pl.heads_kv;
+    rot.quad_stores = bf16_stores_of(grads.dk, kQuad);
+    sm90::bwd::launch_rotate_dk(rot, stream);
+  }
 }
 
 void GpuAttention::backward(const DeviceAttentionInputs& in, TokenTensor<const uint16_t> o,

@@ -51,6 +51,9 @@ void check_gpu_support(const PackedLayout& layout, const GpuAttentionOptions& op
     reject(
         "policy vgroup16 (per-channel V scales) cannot be folded into P; it is an emulator "
         "baseline");
+  if (options.hadamard && options.recipe != Recipe::kMxfp8)
+    reject(std::string("Hadamard rotation is built for mxfp8: ") + to_string(options.recipe) +
+           "'s score product reads the unrotated BF16 inputs");
   if (layout.head_dim != kHeadDim)
     reject("head dim " + std::to_string(layout.head_dim) + " is not built; the kernels use " +
            std::to_string(kHeadDim));

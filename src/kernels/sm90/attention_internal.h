@@ -141,6 +141,7 @@ struct BackwardState {
   int64_t dq_slots = 0;
   cuda::DeviceBuffer diagnostics, row_sum, row_abs;  // with GpuAttentionOptions::diagnostics
   cuda::DeviceBuffer dq_zeroed;                      // int: DqClear::zeroed
+  cuda::DeviceBuffer dk_rotated;                     // [T][Hkv][D] FP32, with Hadamard rotation
   sm90::DqClear dq_clear() const {
     return {dq_accum.get<uint4>(), int64_t(dq_accum.bytes() / sizeof(uint4)), dq_zeroed.get<int>()};
   }

@@ -143,7 +143,8 @@ static_assert(kSmemBytes<ScoreOperand::kE4m3> <= kMaxDynamicSmemBytes &&
               "shared memory of a CTA");
 
 // kDiagnostics: the statistics build (Params::diagnostics set); the fast path carries none of it.
-template <ScoreOperand kScore, bool kCausal, bool kDiagnostics, DqAddition kDq>
+// kRotated: Hadamard-rotated Q and K (consumer_mainloop).
+template <ScoreOperand kScore, bool kCausal, bool kDiagnostics, DqAddition kDq, bool kRotated>
 __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
   SharedStorage<kScore>& sm = wgmma::sw128_aligned_storage<SharedStorage<kScore>>(smem_raw);
@@ -160,15 +161,16 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
     if (warp_index() == 0) producer<kScore, kCausal>(p, sm);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
-    consumer_mainloop<kScore, kCausal, kDiagnostics, kDq>(
+    consumer_mainloop<kScore, kCausal, kDiagnostics, kDq, kRotated>(
         p, sm, int(warpgroup - uint32_t(Warpgroup::kFirstConsumer)));
   }
 }
 
-template <ScoreOperand kScore, bool kCausal, bool kDiagnostics, DqAddition kDq>
+template <ScoreOperand kScore, bool kCausal, bool kDiagnostics, DqAddition kDq,
+          bool kRotated = false>
 void launch_backward_impl(const Params& p, int ctas, cudaStream_t stream) {
   constexpr size_t kBytes = kSmemBytes<kScore>;
-  const auto kernel = backward_kernel<kScore, kCausal, kDiagnostics, kDq>;
+  const auto kernel = backward_kernel<kScore, kCausal, kDiagnostics, kDq, kRotated>;
   FLAMIA_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kBytes)));
   kernel<<<ctas, kThreads, kBytes, stream>>>(p);

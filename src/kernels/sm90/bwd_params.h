@@ -136,9 +136,12 @@ struct Params {
   bool wide_stores = false;  // dK and dV take 16-byte stores (bf16_rows.cuh)
   int64_t tokens = 0;
   int heads_q = 0;
-  int group = 1;                              // query heads per key/value head
-  float scale_log2 = 0.0f;                    // softmax scale * log2(e)
-  float scale = 0.0f;                         // softmax scale (dK's final factor)
+  int group = 1;            // query heads per key/value head
+  float scale_log2 = 0.0f;  // softmax scale * log2(e)
+  float scale = 0.0f;       // softmax scale (dK's final factor)
+  // [T][Hkv][D] FP32, with Hadamard-rotated Q and K: dK = scale * acc goes there, for
+  // launch_rotate_dk (dk is not written then); null otherwise.
+  float* dk_rotated = nullptr;
   DiagnosticCounters* diagnostics = nullptr;  // null: none gathered (the fast path)
   float* row_sum = nullptr;                   // [Hq][T] sum_j dS_ij, with diagnostics
   float* row_abs = nullptr;                   // [Hq][T] sum_j |dS_ij|
@@ -150,11 +153,15 @@ struct Params {
 enum class DqAddition { kBulk, kOrdered, kByParams };
 
 // Launches the persistent main kernel (bwd_mxfp8.cu, bwd_qk16.cu and their *_ordered.cu) with
-// `ctas` CTAs; with Params::diagnostics set, its statistics build (bwd_diagnostics.cu).
+// `ctas` CTAs; with Params::diagnostics set, its statistics build (bwd_diagnostics.cu), which
+// reads Params::dk_rotated too.
 template <ScoreOperand kScore, bool kCausal, DqAddition kDq>
 void launch_backward(const Params& p, int ctas, cudaStream_t stream);
 template <ScoreOperand kScore, bool kCausal>
 void launch_backward_diagnostics(const Params& p, int ctas, cudaStream_t stream);
+// With Params::dk_rotated (mxfp8 only; bwd_mxfp8_rotated.cu, bwd_mxfp8_rotated_ordered.cu).
+template <bool kCausal, DqAddition kDq>
+void launch_backward_rotated(const Params& p, int ctas, cudaStream_t stream);
 
 // Preprocess: D = rowsum(dequant(dO_q) * O) per (query head, token) (bwd_prepost.cu).
 struct PreprocessParams {
@@ -170,7 +177,7 @@ struct PreprocessParams {
 };
 void launch_preprocess(const PreprocessParams& p, cudaStream_t stream);
 
-// Postprocess: dQ = dq_accum * scale, to BF16.
+// Postprocess: dQ = dq_accum * scale (Hadamard-rotated back with `rotate`), to BF16.
 struct PostprocessParams {
   const float* dq_accum = nullptr;  // as Params::dq_accum
   int64_t dq_slots = 0;
@@ -181,9 +188,22 @@ struct PostprocessParams {
   int64_t tokens = 0;
   int heads_q = 0;
   float scale = 0.0f;
+  bool rotate = false;       // Q and K were Hadamard-rotated (QuantizeOptions::hadamard)
   bool quad_stores = false;  // dq and its strides allow 8-byte stores of four BF16 (else pairs)
   int* dq_zeroed = nullptr;  // DqClear::zeroed, reset here (the accumulator's last reader)
 };
 void launch_postprocess(const PostprocessParams& p, cudaStream_t stream);
+
+// With Hadamard-rotated Q and K: dK = the main kernel's FP32 rows (Params::dk_rotated) rotated back
+// to the inputs' frame, to BF16.
+struct RotateDkParams {
+  const float* dk_rotated = nullptr;  // [T][Hkv][D]
+  uint16_t* dk = nullptr;             // BF16 bits, element strides below
+  int64_t dk_stride_token = 0, dk_stride_head = 0;
+  int64_t tokens = 0;
+  int heads_kv = 0;
+  bool quad_stores = false;  // dk and its strides allow 8-byte stores of four BF16 (else pairs)
+};
+void launch_rotate_dk(const RotateDkParams& p, cudaStream_t stream);
 
 }  // namespace flamia::sm90::bwd

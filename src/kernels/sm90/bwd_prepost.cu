@@ -1,5 +1,5 @@
-// The backward's preprocess (D, and the dQ accumulator's clear unless a forward did it) and
-// postprocess (dQ to BF16).
+// The backward's preprocess (D, and the dQ accumulator's clear unless a forward did it),
+// postprocess (dQ to BF16) and, with Hadamard-rotated Q and K, the pass that rotates dK back.
 #include <algorithm>
 
 #include "arch.cuh"
@@ -8,7 +8,9 @@
 #include "check.h"
 #include "dq_clear.cuh"
 #include "flamia/formats.h"
+#include "flamia/hadamard.h"
 #include "fp8_convert.cuh"
+#include "hadamard_lanes.cuh"
 
 namespace flamia::sm90::bwd {
 namespace {
@@ -70,6 +72,39 @@ constexpr int kPostThreads = 256;
 constexpr int kSlotQuads = kDqSlotFloats / 4;
 constexpr int kRowQuads = kHeadDim / 4;  // float4s per row
 
+// A row of dQ or dK of Hadamard-rotated Q and K back to the inputs' frame: hadamard_rotate along a
+// row held by a warp, four consecutive columns a lane (column 4 lane + j in component j), the
+// spans' stages in order (1 and 2 inside the lane, 4 to 64 across lanes), then its scale.
+static_assert(kRowQuads == int(kWarpThreads), "a warp holds a row");
+__device__ __forceinline__ void rotate_row(float4& v, int lane) {
+  hadamard_pair(v.x, v.y);
+  hadamard_pair(v.z, v.w);
+  hadamard_pair(v.x, v.z);
+  hadamard_pair(v.y, v.w);
+#pragma unroll
+  for (int bit = 1; bit < kRowQuads; bit *= 2) {
+    const bool upper = lane & bit;
+    v.x = hadamard_across_lanes(v.x, uint32_t(bit), upper);
+    v.y = hadamard_across_lanes(v.y, uint32_t(bit), upper);
+    v.z = hadamard_across_lanes(v.z, uint32_t(bit), upper);
+    v.w = hadamard_across_lanes(v.w, uint32_t(bit), upper);
+  }
+  const float unit = hadamard_scale<float>(kHeadDim);
+  v = make_float4(__fmul_rn(v.x, unit), __fmul_rn(v.y, unit), __fmul_rn(v.z, unit),
+                  __fmul_rn(v.w, unit));
+}
+
+// Four consecutive BF16: one 8-byte store where the view allows (`quad`), else two pairs.
+__device__ __forceinline__ void store_bf16x4(uint16_t* out, float4 v, bool quad) {
+  const uint32_t lo = bf16x2_bits(v.x, v.y), hi = bf16x2_bits(v.z, v.w);
+  if (quad) {
+    *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+  } else {
+    reinterpret_cast<uint32_t*>(out)[0] = lo;
+    reinterpret_cast<uint32_t*>(out)[1] = hi;
+  }
+}
+
 // Padding: a warp's float2 stores into the tile cover rows r .. r + 7 at the same columns, which
 // without it would fall in four banks.
 constexpr int kTilePad = 8;
@@ -106,21 +141,41 @@ __global__ void __launch_bounds__(kPostThreads)
   for (int e = int(threadIdx.x); e < kBlockM * kRowQuads; e += kPostThreads) {
     const int row = e / kRowQuads, col = 4 * (e % kRowQuads);
     const int r = first_row + row;
-    if (r >= length) break;  // rows only grow with e
-    const float4 v = *reinterpret_cast<const float4*>(&tile[row][col]);
-    const uint32_t lo = bf16x2_bits(v.x * p.scale, v.y * p.scale);
-    const uint32_t hi = bf16x2_bits(v.z * p.scale, v.w * p.scale);
-    uint16_t* out = p.dq + (begin + r) * p.dq_stride_token + head * p.dq_stride_head + col;
-    if (p.quad_stores) {
-      *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-    } else {
-      reinterpret_cast<uint32_t*>(out)[0] = lo;
-      reinterpret_cast<uint32_t*>(out)[1] = hi;
-    }
+    if (r >= length) break;  // rows only grow with e; a warp's lanes share theirs (rotate_row)
+    float4 v = *reinterpret_cast<const float4*>(&tile[row][col]);
+    v = make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale);
+    if (p.rotate) rotate_row(v, col / 4);
+    store_bf16x4(p.dq + (begin + r) * p.dq_stride_token + head * p.dq_stride_head + col, v,
+                 p.quad_stores);
   }
 }
 
+// The rotated dK rows: one warp a (token, key/value head) row, a lane four consecutive columns.
+constexpr int kRotateThreads = 256;
+constexpr int kRotateRowsPerBlock = kRotateThreads / int(kWarpThreads);
+
+__global__ void __launch_bounds__(kRotateThreads)
+    rotate_dk_kernel(const __grid_constant__ RotateDkParams p) {
+  const int64_t row = int64_t(blockIdx.x) * kRotateRowsPerBlock + threadIdx.x / kWarpThreads;
+  if (row >= p.tokens * p.heads_kv) return;  // the warp's lanes together
+  const int lane = int(lane_index());
+  float4 v = reinterpret_cast<const float4*>(p.dk_rotated + row * kHeadDim)[lane];
+  rotate_row(v, lane);
+  const int64_t token = row / p.heads_kv;
+  const int head = int(row % p.heads_kv);
+  store_bf16x4(p.dk + token * p.dk_stride_token + head * p.dk_stride_head + 4 * lane, v,
+               p.quad_stores);
+}
+
 }  // namespace
+
+void launch_rotate_dk(const RotateDkParams& p, cudaStream_t stream) {
+  const int64_t rows = p.tokens * p.heads_kv;
+  if (rows == 0) return;
+  rotate_dk_kernel<<<unsigned((rows + kRotateRowsPerBlock - 1) / kRotateRowsPerBlock),
+                     kRotateThreads, 0, stream>>>(p);
+  FLAMIA_CUDA_CHECK_LAUNCH();
+}
 
 void launch_preprocess(const PreprocessParams& p, cudaStream_t stream) {
   const int64_t rows = p.tokens * p.heads_q;

@@ -113,10 +113,38 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   if (t == 0) atomicAdd(turn, 1);
 }
 
-// dK = scale * acc, dV = acc for the warpgroup's keys key0.. (rows of the accumulators). Where the
-// views allow (Params::wide_stores), 16 bytes a lane after quad transposes (bf16_rows.cuh), else
-// BF16 pairs. The pairs took 8.5 k cycles an item (docs/PERF.md, item 80); the 16-byte stores took
-// 3-4 % off the backward on 16x4096 (item 91).
+// With Hadamard-rotated Q and K: dK = scale * acc as FP32 rows of Params::dk_rotated, rotated back
+// to the inputs' frame and rounded to BF16 by a pass after the kernel (launch_rotate_dk). Rotating
+// here, across the quad's lanes after the step loop, cost the loop its uniform-register
+// descriptors (+134 instructions, docs/PERF.md item 133).
+__device__ __forceinline__ void store_key_gradient_rotated(const Params& p,
+                                                           const float (&dk)[2][kTileRegs],
+                                                           int64_t begin, int length, int key0,
+                                                           int kv_head, int t) {
+  const int quad = t % 4;
+#pragma unroll
+  for (int r = 0; r < kKeyRows; ++r) {
+    const int key = key0 + wgmma::acc_row(t, 2 * r);
+    if (key >= length) continue;
+    const int heads_kv = p.heads_q / p.group;
+    float* row = p.dk_rotated + ((begin + key) * heads_kv + kv_head) * kHeadDim + 2 * quad;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int g = 0; g < kColGroups; ++g) {
+        const int i = 4 * g + 2 * r;
+        *reinterpret_cast<float2*>(row + half * (kHeadDim / 2) + 8 * g) =
+            make_float2(dk[half][i] * p.scale, dk[half][i + 1] * p.scale);
+      }
+  }
+}
+
+// dK = scale * acc (unless kDk is false: store_key_gradient_rotated's), dV = acc for the
+// warpgroup's keys key0.. (rows of the accumulators). Where the views allow (Params::wide_stores),
+// 16 bytes a lane after quad transposes (bf16_rows.cuh), else BF16 pairs. The pairs took 8.5 k
+// cycles an item (docs/PERF.md, item 80); the 16-byte stores took 3-4 % off the backward on 16x4096
+// (item 91).
+template <bool kDk>
 __device__ __forceinline__ void store_key_gradients(const Params& p,
                                                     const float (&dk)[2][kTileRegs],
                                                     const float (&dv)[2][kTileRegs], int64_t begin,
@@ -144,7 +172,7 @@ __device__ __forceinline__ void store_key_gradients(const Params& p,
           }
           // Lane q stores group q of the span, its 8 columns: 8 q on (the row pointer is 2 q on).
           const int d = half * (kHeadDim / 2) + kQuadSpanElems * k + (kWideStoreElems - 2) * quad;
-          *reinterpret_cast<uint4*>(dk_row + d) = quad_transpose(k_words);
+          if constexpr (kDk) *reinterpret_cast<uint4*>(dk_row + d) = quad_transpose(k_words);
           *reinterpret_cast<uint4*>(dv_row + d) = quad_transpose(v_words);
         }
     } else {
@@ -153,8 +181,9 @@ __device__ __forceinline__ void store_key_gradients(const Params& p,
 #pragma unroll
         for (int g = 0; g < kColGroups; ++g) {
           const int i = 4 * g + 2 * r, d = half * (kHeadDim / 2) + 8 * g;
-          *reinterpret_cast<__nv_bfloat162*>(dk_row + d) =
-              __floats2bfloat162_rn(dk[half][i] * p.scale, dk[half][i + 1] * p.scale);
+          if constexpr (kDk)
+            *reinterpret_cast<__nv_bfloat162*>(dk_row + d) =
+                __floats2bfloat162_rn(dk[half][i] * p.scale, dk[half][i + 1] * p.scale);
           *reinterpret_cast<__nv_bfloat162*>(dv_row + d) =
               __floats2bfloat162_rn(dv[half][i], dv[half][i + 1]);
         }

@@ -9,7 +9,8 @@
 //   dQ_tile = dS~ K                         (dS~ through shared memory, both warpgroups' keys; each
 //                                            warpgroup takes 64 of the 128 head-dim columns)
 // dQ partials go to the FP32 accumulator in global memory (epilogue_bwd.cuh); dK, dV are stored
-// once per item.
+// once per item (dK as FP32 rows where Q and K were Hadamard-rotated: rotated back after the
+// kernel).
 #pragma once
 
 #include "bwd_scales.cuh"
@@ -272,7 +273,11 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   if constexpr (kDiagnostics) publish_diagnostics(p.diagnostics, diag);
 }
 
-template <ScoreOperand kScore, bool kCausal, bool kDiagnostics, DqAddition kDq>
+// kRotated: Q and K were Hadamard-rotated; dK goes out as FP32 rows for the pass that rotates it
+// back (store_key_gradient_rotated; the statistics build reads Params::dk_rotated). Code after the
+// step loop moves the loop's schedule (docs/PERF.md, item 81), so the fast kernels carry only
+// their own store path.
+template <ScoreOperand kScore, bool kCausal, bool kDiagnostics, DqAddition kDq, bool kRotated>
 __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, int warpgroup) {
   const int t = threadIdx.x % kWarpgroupThreads;
   const int key_base = warpgroup * wgmma::kM + wgmma::acc_row(t, 0);  // the thread's first key
@@ -346,7 +351,15 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     // loads the next item's keys and first query tiles while dK and dV go out from registers.
     sm.kv_pipe.warp_release(kv_state);
     kv_state.advance();
-    store_key_gradients(p, dk, dv, begin, length, n0 + warpgroup * wgmma::kM, item.kv_head, t);
+    const int key0 = n0 + warpgroup * wgmma::kM;
+    bool rotated = kRotated;
+    if constexpr (kDiagnostics) rotated = p.dk_rotated != nullptr;
+    if (rotated) {
+      store_key_gradient_rotated(p, dk, begin, length, key0, item.kv_head, t);
+      store_key_gradients<false>(p, dk, dv, begin, length, key0, item.kv_head, t);
+    } else {
+      store_key_gradients<true>(p, dk, dv, begin, length, key0, item.kv_head, t);
+    }
   }
 }
 

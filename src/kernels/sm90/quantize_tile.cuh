@@ -53,6 +53,7 @@
 #include "flamia/hadamard.h"
 #include "flamia/quantize.h"
 #include "fp8_convert.cuh"
+#include "hadamard_lanes.cuh"
 #include "quantize_geometry.h"
 
 namespace flamia::sm90::quant {
@@ -189,21 +190,14 @@ __device__ __forceinline__ void hadamard_rows(float (&v)[kRows][kChunkElems], in
 #pragma unroll
       for (int j = base; j < base + span; ++j)
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const float a = v[r][j], b = v[r][j + span];
-          v[r][j] = __fadd_rn(a, b);
-          v[r][j + span] = __fsub_rn(a, b);
-        }
+        for (int r = 0; r < kRows; ++r) hadamard_pair(v[r][j], v[r][j + span]);
 #pragma unroll
   for (int bit = 1; bit < kLanes; bit *= 2) {
     const bool upper = lane_c & bit;  // holds x[j + span] of each pair
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
-      for (int j = 0; j < kChunkElems; ++j) {
-        const float other = __shfl_xor_sync(kFullMask, v[r][j], bit);
-        v[r][j] = upper ? __fsub_rn(other, v[r][j]) : __fadd_rn(v[r][j], other);
-      }
+      for (int j = 0; j < kChunkElems; ++j) v[r][j] = hadamard_across_lanes(v[r][j], bit, upper);
   }
   const float scale = hadamard_scale<float>(kLanes * kChunkElems);
 #pragma unroll
