@@ -231,7 +231,10 @@ void quantize_gpu(const DeviceAttentionInputs& in, const QuantizeOptions& option
     return;
   }
 
-  const bool rotate = options.hadamard;
+  // The rotated instantiation (fewer CTAs per SM) only where Q or K is among the operands: not for
+  // the training call's dO alone.
+  bool rotate = false;
+  for (int i = 0; i < num_ops; ++i) rotate = rotate || args.ops[i].rotate;
   int2* document_tiles = nullptr;
   if (document_tiling) {
     constexpr int kListThreads = 256;
