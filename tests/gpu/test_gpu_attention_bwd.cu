@@ -228,49 +228,51 @@ constexpr uint8_t kPoison = 0xA5;
 
 // The strided gradients equal the dense ones of training_gpu_to_host in deterministic mode, and
 // the gap after every token row keeps the poison; with either store width of dQ (postprocess) and
-// of dK and dV (main kernel).
+// of dK and dV (main kernel, or with Hadamard rotation the pass that rotates dK back).
 TEST(GpuAttentionBwdBuffers, StridedGradientsLeaveGapsUntouched) {
   FLAMIA_REQUIRE_GPU();
   BwdCase c{"strided", kOddDocs, 4, 2};
   const AttentionBatch b = make_batch(c);
-  GpuAttentionOptions options = gpu_options(c);
-  options.deterministic = true;
-  const AttentionOutputs<float> dense = training_gpu_to_host(b, options);
   constexpr int64_t kWideGap = kDim, kPairGap = 2;
-  for (const int64_t gap : {kWideGap, kPairGap}) {
-    SCOPED_TRACE("gap " + std::to_string(gap));
-    TrainingRun r = strided_run(b, gap);
-    for (DeviceBuffer* buf : {&r.dq, &r.dk, &r.dv})
-      FLAMIA_CUDA_CHECK(cudaMemset(buf->get(), kPoison, buf->bytes()));
-    GpuAttention attention(r.layout, options);
-    run_training(attention, r);
-    struct Out {
-      const char* name;
-      const DeviceBuffer& buf;
-      int heads;
-      int64_t stride;
-      const std::vector<float>& dense;
-    };
-    const PackedLayout& pl = r.layout;
-    for (const Out& o : {Out{"dQ", r.dq, pl.heads_q, r.dq_stride, dense.dq},
-                         Out{"dK", r.dk, pl.heads_kv, r.kv_stride, dense.dk},
-                         Out{"dV", r.dv, pl.heads_kv, r.kv_stride, dense.dv}}) {
-      const std::vector<uint16_t> bits = o.buf.download<uint16_t>();
-      int64_t gap_changed = 0, mismatched = 0;
-      for (int64_t t = 0; t < pl.tokens; ++t)
-        for (int64_t e = 0; e < o.stride; ++e) {
-          const uint16_t x = bits[size_t(t * o.stride + e)];
-          if (e >= int64_t(o.heads) * kDim) {
-            gap_changed += x != uint16_t(kPoison | kPoison << 8);
-          } else {
-            const float want = o.dense[size_t(t * o.heads * kDim + e)];
-            mismatched += !(bf16::decode(x) == want);
+  for (const bool rotated : {false, true})
+    for (const int64_t gap : {kWideGap, kPairGap}) {
+      SCOPED_TRACE(std::string(rotated ? "rotated, " : "") + "gap " + std::to_string(gap));
+      GpuAttentionOptions options = gpu_options(c);
+      options.deterministic = true;
+      options.hadamard = rotated;
+      const AttentionOutputs<float> dense = training_gpu_to_host(b, options);
+      TrainingRun r = strided_run(b, gap);
+      for (DeviceBuffer* buf : {&r.dq, &r.dk, &r.dv})
+        FLAMIA_CUDA_CHECK(cudaMemset(buf->get(), kPoison, buf->bytes()));
+      GpuAttention attention(r.layout, options);
+      run_training(attention, r);
+      struct Out {
+        const char* name;
+        const DeviceBuffer& buf;
+        int heads;
+        int64_t stride;
+        const std::vector<float>& dense;
+      };
+      const PackedLayout& pl = r.layout;
+      for (const Out& o : {Out{"dQ", r.dq, pl.heads_q, r.dq_stride, dense.dq},
+                           Out{"dK", r.dk, pl.heads_kv, r.kv_stride, dense.dk},
+                           Out{"dV", r.dv, pl.heads_kv, r.kv_stride, dense.dv}}) {
+        const std::vector<uint16_t> bits = o.buf.download<uint16_t>();
+        int64_t gap_changed = 0, mismatched = 0;
+        for (int64_t t = 0; t < pl.tokens; ++t)
+          for (int64_t e = 0; e < o.stride; ++e) {
+            const uint16_t x = bits[size_t(t * o.stride + e)];
+            if (e >= int64_t(o.heads) * kDim) {
+              gap_changed += x != uint16_t(kPoison | kPoison << 8);
+            } else {
+              const float want = o.dense[size_t(t * o.heads * kDim + e)];
+              mismatched += !(bf16::decode(x) == want);
+            }
           }
-        }
-      EXPECT_EQ(gap_changed, 0) << o.name << ": the gaps between token rows were written";
-      EXPECT_EQ(mismatched, 0) << o.name << ": strided gradients differ from the dense ones";
+        EXPECT_EQ(gap_changed, 0) << o.name << ": the gaps between token rows were written";
+        EXPECT_EQ(mismatched, 0) << o.name << ": strided gradients differ from the dense ones";
+      }
     }
-  }
 }
 
 std::vector<uint16_t> download_dq(const TrainingRun& r) {
