@@ -68,13 +68,18 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
 
     // A leading partial tile starts before the document: its rows there belong to idle
     // warpgroups (for the first document TMA fills them with zeros).
-    const int64_t q_token = item.doc < 0 ? 0 : p.cu_seqlens[item.doc] + item.first_row;
+    const int64_t doc_begin = item.doc < 0 ? 0 : p.cu_seqlens[item.doc];
+    const int32_t doc_length = item.doc < 0 ? 0 : int32_t(p.cu_seqlens[item.doc + 1] - doc_begin);
+    const int64_t q_token = doc_begin + item.first_row;
     uint32_t q_codes[kQRowsPerLane];
     if constexpr (kKeyScales)
       load_row_codes(q_codes, p.q_exponents + int64_t(item.head) * p.tokens_padded, q_token,
                      item.doc < 0 ? 0 : p.tokens_padded, lane);
     sm.q_pipe.producer_acquire(q_state);
-    if (elected) sm.item[q_state.index] = item;
+    if (elected) {
+      sm.item[q_state.index] = item;
+      sm.item_doc[q_state.index] = {doc_begin, doc_length};
+    }
     if (kKeyScales && item.doc >= 0)
       stage_query_factors(sm.q_factor[q_state.index], q_codes, p.scale_log2, lane);
     if (elected && item.doc >= 0) {
@@ -89,7 +94,7 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     q_state.advance();
     if (item.doc < 0) return;
 
-    const int64_t begin = p.cu_seqlens[item.doc];
+    const int64_t begin = doc_begin;
     const int kv_head = item.head / p.group;
     const int64_t vt_begin = transposed_doc_begin(begin, item.doc);
     const uint8_t* k_exps = p.k_exponents + int64_t(kv_head) * p.tokens_padded;

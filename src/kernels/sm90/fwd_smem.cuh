@@ -35,6 +35,13 @@ constexpr uint32_t kOStageRowBytes = kHeadDim * sizeof(uint16_t) + kOStagePadByt
 template <ScoreOperand kScore>
 constexpr bool kOStaged = kScore == ScoreOperand::kE4m3;
 
+// Where a work item's document lies in the packed batch: staged with the item, so the consumers
+// start an item without a dependent read of cu_seqlens.
+struct ItemDocument {
+  int64_t begin;  // packed-buffer token of the document's first row
+  int32_t length;
+};
+
 template <ScoreOperand kScore>
 struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   using L = SmemLayout<kScore>;
@@ -47,6 +54,7 @@ struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   ValueScales vscale[kStages];
   QueryFactors q_factor[kQStages];  // E4M3 Q only
   WorkItem item[kQStages];
+  ItemDocument item_doc[kQStages];  // the item's document, read by the producer from cu_seqlens
   Pipeline<kQStages> q_pipe;
   Pipeline<kStages> k_pipe, v_pipe;
 };

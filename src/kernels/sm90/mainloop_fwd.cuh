@@ -147,8 +147,8 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       return;
     }
     ItemRows rows;
-    rows.begin = p.cu_seqlens[item.doc];
-    rows.length = int(p.cu_seqlens[item.doc + 1] - rows.begin);
+    rows.begin = sm.item_doc[q_state.index].begin;
+    rows.length = sm.item_doc[q_state.index].length;
     rows.m0 = item.first_row;
     RowState st;
     {
