@@ -78,7 +78,7 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     sm.q_pipe.producer_acquire(q_state);
     if (elected) {
       sm.item[q_state.index] = item;
-      sm.item_doc[q_state.index] = {doc_begin, doc_length};
+      sm.item_doc[q_state.index] = ItemDocument{doc_begin, doc_length};
     }
     if (kKeyScales && item.doc >= 0)
       stage_query_factors(sm.q_factor[q_state.index], q_codes, p.scale_log2, lane);
@@ -94,13 +94,12 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     q_state.advance();
     if (item.doc < 0) return;
 
-    const int64_t begin = doc_begin;
     const int kv_head = item.head / p.group;
-    const int64_t vt_begin = transposed_doc_begin(begin, item.doc);
+    const int64_t vt_begin = transposed_doc_begin(doc_begin, item.doc);
     const uint8_t* k_exps = p.k_exponents + int64_t(kv_head) * p.tokens_padded;
     const uint8_t* v_exps = p.v_exponents + int64_t(kv_head) * p.tokens_padded;
     for (int kb = item.key_blocks - 1; kb >= 0; --kb) {
-      const int64_t t0 = begin + int64_t(kb) * kBlockN;
+      const int64_t t0 = doc_begin + int64_t(kb) * kBlockN;
       LaneExponents ek{};
       if constexpr (kKeyScales) ek = load_lane_exponents(k_exps, t0, p.tokens_padded, lane);
       const LaneExponents ev = load_lane_exponents(v_exps, t0, p.tokens_padded, lane);
