@@ -252,7 +252,8 @@ class FlamiaWorkload {
       : w_(w), b_(b), cu_(cu_seqlens_from_lengths(w.docs)), hadamard_(hadamard) {}
 
   PackedLayout layout() const { return packed_layout(w_, cu_); }
-  // Token policy with transposed copies: what the kernels consume.
+  // Token policy with transposed copies (what the kernels consume), Q and K rotated with
+  // --hadamard.
   QuantizeOptions quantize_options() const {
     QuantizeOptions q;
     q.hadamard = hadamard_;

@@ -82,7 +82,7 @@ class GpuAttention {
   // Backward from quantized operands (Q, K, V and dO, all with codes_t) and the forward's O (BF16)
   // and LSE. `in` as for forward. Throws Error (before enqueuing) on null or misaligned pointers
   // and on a layout other than the constructor's. The first call allocates the workspaces (an
-  // FP32 dQ accumulator [T][Hq][D]).
+  // FP32 dQ accumulator [T][Hq][D]; with Hadamard rotation also FP32 dK rows [T][Hkv][D]).
   void backward(const DeviceAttentionInputs& in, const DeviceQuantizedAttention& quant,
                 TokenTensor<const uint16_t> o, const float* lse,
                 const DeviceAttentionGradients& grads, cudaStream_t stream);

@@ -26,10 +26,12 @@
 #include <string>
 #include <vector>
 
+#include "bwd_params.h"
 #include "check.h"
 #include "device_buffer.h"
 #include "flamia/attention_gpu.h"
 #include "flamia/emulator.h"
+#include "flamia/hadamard.h"
 #include "flamia/inputs.h"
 #include "flamia/metrics.h"
 #include "flamia/reference.h"
@@ -162,7 +164,7 @@ std::vector<BwdCase> cases() {
                true});
   // Every deterministic instantiation (mxfp8 causal also in the tests below), and the rotation
   // with ordered dQ additions.
-  for (int i : {1, 5, 6, 7}) v.push_back(deterministic_case(v[size_t(i)]));
+  for (int i : {1, 5, 6, 7, 8}) v.push_back(deterministic_case(v[size_t(i)]));
   return v;
 }
 
@@ -323,6 +325,56 @@ TEST(GpuAttentionBwdBuffers, DeterministicDqIsReproducibleAndPrefixIsolated) {
       EXPECT_EQ(run_diff, 0);
       EXPECT_EQ(prefix_diff, 0);
     }
+  }
+}
+
+// The rotation back of dK's FP32 rows (launch_rotate_dk; the dQ postprocess rotates its rows with
+// the same code) gives hadamard_rotate's bits, then BF16's: rows of a wide dynamic range, outputs
+// with gaps (poisoned) for both store widths. The attention tests above bound the rotated
+// gradients only within the emulator's error, which a different stage or multiply order would
+// pass.
+TEST(GpuAttentionBwdBuffers, DkRotationIsHadamardRotateBitwise) {
+  FLAMIA_REQUIRE_GPU();
+  constexpr int64_t kTokens = 37;
+  constexpr int kHeads = 3;
+  constexpr int kExponentRange = 20;
+  std::mt19937 rng(11);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_int_distribution<int> exponent(-kExponentRange, kExponentRange);
+  std::vector<float> rows(size_t(kTokens * kHeads * kDim));
+  for (float& x : rows) x = float(std::ldexp(normal(rng), exponent(rng)));
+  const DeviceBuffer in = DeviceBuffer::upload(rows);
+  constexpr int64_t kWideGap = kDim, kPairGap = 2;
+  for (const int64_t gap : {kWideGap, kPairGap}) {
+    SCOPED_TRACE("gap " + std::to_string(gap));
+    const int64_t stride = kHeads * kDim + gap;
+    DeviceBuffer out(size_t(kTokens * stride) * sizeof(uint16_t));
+    FLAMIA_CUDA_CHECK(cudaMemset(out.get(), kPoison, out.bytes()));
+    sm90::bwd::RotateDkParams p;
+    p.dk_rotated = in.get<float>();
+    p.dk = out.get<uint16_t>();
+    p.dk_stride_token = stride;
+    p.dk_stride_head = kDim;
+    p.tokens = kTokens;
+    p.heads_kv = kHeads;
+    p.quad_stores = gap % 4 == 0;
+    sm90::bwd::launch_rotate_dk(p, nullptr);
+    FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> bits = out.download<uint16_t>();
+    int64_t differing = 0, gap_changed = 0;
+    for (int64_t t = 0; t < kTokens; ++t) {
+      for (int h = 0; h < kHeads; ++h) {
+        std::vector<float> want(rows.begin() + (t * kHeads + h) * kDim,
+                                rows.begin() + (t * kHeads + h + 1) * kDim);
+        hadamard_rotate(want.data(), kDim);
+        for (int d = 0; d < kDim; ++d)
+          differing += bits[size_t(t * stride + h * kDim + d)] != bf16::encode(want[size_t(d)]);
+      }
+      for (int64_t e = kHeads * kDim; e < stride; ++e)
+        gap_changed += bits[size_t(t * stride + e)] != uint16_t(kPoison | kPoison << 8);
+    }
+    EXPECT_EQ(differing, 0) << "rotated elements whose BF16 bits differ from hadamard_rotate's";
+    EXPECT_EQ(gap_changed, 0);
   }
 }
 

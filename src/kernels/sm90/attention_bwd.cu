@@ -218,7 +218,8 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   p.dk_stride_head = grads.dk.stride_head;
   p.dv_stride_token = grads.dv.stride_token;
   p.dv_stride_head = grads.dv.stride_head;
-  p.wide_stores = bf16_stores_of(grads.dk, sm90::kWideStoreElems) &&
+  // With rotation the main kernel writes dV alone (dK: the rotation pass).
+  p.wide_stores = (m.options.hadamard || bf16_stores_of(grads.dk, sm90::kWideStoreElems)) &&
                   bf16_stores_of(grads.dv, sm90::kWideStoreElems);
   p.tokens = pl.tokens;
   p.heads_q = pl.heads_q;

@@ -16,8 +16,9 @@ __device__ __forceinline__ void hadamard_pair(float& a, float& b) {
 }
 
 // A pair of one stage split over the lanes `lane_bit` apart: the lane without the bit holds x[j]
-// and gets a + b, the one with it (`upper`) holds x[j + span] and gets a - b. Every lane of the
-// warp must take part.
+// and gets a + b, the one with it (`upper`) holds x[j + span] and gets a - b. A row's lanes must
+// form an aligned group of the warp, so that lane_bit of the lane index is the same bit of the
+// lane's position in the row (`upper`). Every lane of the warp must take part.
 __device__ __forceinline__ float hadamard_across_lanes(float v, uint32_t lane_bit, bool upper) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
   const float other = __shfl_xor_sync(kFull, v, lane_bit);
