@@ -352,12 +352,9 @@ TEST(GpuAttentionBwdBuffers, DkRotationIsHadamardRotateBitwise) {
     FLAMIA_CUDA_CHECK(cudaMemset(out.get(), kPoison, out.bytes()));
     sm90::bwd::RotateDkParams p;
     p.dk_rotated = in.get<float>();
-    p.dk = out.get<uint16_t>();
-    p.dk_stride_token = stride;
-    p.dk_stride_head = kDim;
+    p.dk = {out.get<uint16_t>(), stride, kDim, /*quad_stores=*/gap % 4 == 0};
     p.tokens = kTokens;
     p.heads_kv = kHeads;
-    p.quad_stores = gap % 4 == 0;
     sm90::bwd::launch_rotate_dk(p, nullptr);
     FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<uint16_t> bits = out.download<uint16_t>();

@@ -94,6 +94,12 @@ void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool qk16, bool ca
   }
 }
 
+// A BF16 output for the postprocess and the dK rotation, which store four elements at a time.
+sm90::bwd::Bf16Rows bf16_rows(const TokenTensor<uint16_t>& t) {
+  constexpr int kQuad = 4;  // BF16 elements of one 8-byte store
+  return {t.data, t.stride_token, t.stride_head, bf16_stores_of(t, kQuad)};
+}
+
 // `codes`: whether the kernels read the operand's codes (not Q's and K's for mxfp8-qk16, whose
 // score products read the BF16 inputs).
 void require_codes(const DeviceE4M3Operand& op, const std::string& name, bool codes = true) {
@@ -237,26 +243,19 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   post.dq_slots = b.dq_slots;
   post.cu_seqlens = in.cu_seqlens;
   post.num_docs = pl.num_docs;
-  post.dq = grads.dq.data;
-  post.dq_stride_token = grads.dq.stride_token;
-  post.dq_stride_head = grads.dq.stride_head;
+  post.dq = bf16_rows(grads.dq);
   post.tokens = pl.tokens;
   post.heads_q = pl.heads_q;
   post.scale = p.scale;
   post.rotate = m.options.hadamard;
   post.dq_zeroed = b.dq_zeroed.get<int>();
-  constexpr int kQuad = 4;  // BF16 elements of one 8-byte store
-  post.quad_stores = bf16_stores_of(grads.dq, kQuad);
   sm90::bwd::launch_postprocess(post, stream);
   if (m.options.hadamard) {
     sm90::bwd::RotateDkParams rot;
     rot.dk_rotated = p.dk_rotated;
-    rot.dk = grads.dk.data;
-    rot.dk_stride_token = grads.dk.stride_token;
-    rot.dk_stride_head = grads.dk.stride_head;
+    rot.dk = bf16_rows(grads.dk);
     rot.tokens = pl.tokens;
     rot.heads_kv = pl.heads_kv;
-    rot.quad_stores = bf16_stores_of(grads.dk, kQuad);
     sm90::bwd::launch_rotate_dk(rot, stream);
   }
 }

@@ -177,19 +177,26 @@ struct PreprocessParams {
 };
 void launch_preprocess(const PreprocessParams& p, cudaStream_t stream);
 
+// A BF16 output of [T][H][D] rows (element strides, like TokenTensor), which the postprocess and
+// the dK rotation write four elements at a time: one 8-byte store where the view allows
+// (`quad_stores`), else two pairs.
+struct Bf16Rows {
+  uint16_t* data = nullptr;
+  int64_t stride_token = 0, stride_head = 0;
+  bool quad_stores = false;
+};
+
 // Postprocess: dQ = dq_accum * scale (Hadamard-rotated back with `rotate`), to BF16.
 struct PostprocessParams {
   const float* dq_accum = nullptr;  // as Params::dq_accum
   int64_t dq_slots = 0;
   const int32_t* cu_seqlens = nullptr;  // device
   int num_docs = 0;
-  uint16_t* dq = nullptr;  // BF16 bits, element strides below
-  int64_t dq_stride_token = 0, dq_stride_head = 0;
+  Bf16Rows dq;
   int64_t tokens = 0;
   int heads_q = 0;
   float scale = 0.0f;
   bool rotate = false;       // Q and K were Hadamard-rotated (QuantizeOptions::hadamard)
-  bool quad_stores = false;  // dq and its strides allow 8-byte stores of four BF16 (else pairs)
   int* dq_zeroed = nullptr;  // DqClear::zeroed, reset here (the accumulator's last reader)
 };
 void launch_postprocess(const PostprocessParams& p, cudaStream_t stream);
@@ -198,11 +205,9 @@ void launch_postprocess(const PostprocessParams& p, cudaStream_t stream);
 // to the inputs' frame, to BF16.
 struct RotateDkParams {
   const float* dk_rotated = nullptr;  // [T][Hkv][D]
-  uint16_t* dk = nullptr;             // BF16 bits, element strides below
-  int64_t dk_stride_token = 0, dk_stride_head = 0;
+  Bf16Rows dk;
   int64_t tokens = 0;
   int heads_kv = 0;
-  bool quad_stores = false;  // dk and its strides allow 8-byte stores of four BF16 (else pairs)
 };
 void launch_rotate_dk(const RotateDkParams& p, cudaStream_t stream);
 

@@ -8,7 +8,6 @@
 #include "check.h"
 #include "dq_clear.cuh"
 #include "flamia/formats.h"
-#include "flamia/hadamard.h"
 #include "fp8_convert.cuh"
 #include "hadamard_lanes.cuh"
 
@@ -72,32 +71,21 @@ constexpr int kPostThreads = 256;
 constexpr int kSlotQuads = kDqSlotFloats / 4;
 constexpr int kRowQuads = kHeadDim / 4;  // float4s per row
 
-// A row of dQ or dK of Hadamard-rotated Q and K back to the inputs' frame: hadamard_rotate along a
-// row held by a warp, four consecutive columns a lane (column 4 lane + j in component j), the
-// spans' stages in order (1 and 2 inside the lane, 4 to 64 across lanes), then its scale.
+// A row of dQ or dK of Hadamard-rotated Q and K back to the inputs' frame: a warp holds the row,
+// four consecutive columns a lane (column 4 lane + j in component j).
 static_assert(kRowQuads == int(kWarpThreads), "a warp holds a row");
 __device__ __forceinline__ void rotate_row(float4& v, int lane) {
-  hadamard_pair(v.x, v.y);
-  hadamard_pair(v.z, v.w);
-  hadamard_pair(v.x, v.z);
-  hadamard_pair(v.y, v.w);
-#pragma unroll
-  for (int bit = 1; bit < kRowQuads; bit *= 2) {
-    const bool upper = lane & bit;
-    v.x = hadamard_across_lanes(v.x, uint32_t(bit), upper);
-    v.y = hadamard_across_lanes(v.y, uint32_t(bit), upper);
-    v.z = hadamard_across_lanes(v.z, uint32_t(bit), upper);
-    v.w = hadamard_across_lanes(v.w, uint32_t(bit), upper);
-  }
-  const float unit = hadamard_scale<float>(kHeadDim);
-  v = make_float4(__fmul_rn(v.x, unit), __fmul_rn(v.y, unit), __fmul_rn(v.z, unit),
-                  __fmul_rn(v.w, unit));
+  float x[1][4] = {{v.x, v.y, v.z, v.w}};
+  hadamard_rows<kRowQuads>(x, lane);
+  v = make_float4(x[0][0], x[0][1], x[0][2], x[0][3]);
 }
 
-// Four consecutive BF16: one 8-byte store where the view allows (`quad`), else two pairs.
-__device__ __forceinline__ void store_bf16x4(uint16_t* out, float4 v, bool quad) {
+// Columns col .. col + 3 of row (token, head).
+__device__ __forceinline__ void store_bf16x4(const Bf16Rows& rows, int64_t token, int head, int col,
+                                             float4 v) {
+  uint16_t* out = rows.data + token * rows.stride_token + head * rows.stride_head + col;
   const uint32_t lo = bf16x2_bits(v.x, v.y), hi = bf16x2_bits(v.z, v.w);
-  if (quad) {
+  if (rows.quad_stores) {
     *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
   } else {
     reinterpret_cast<uint32_t*>(out)[0] = lo;
@@ -145,8 +133,7 @@ __global__ void __launch_bounds__(kPostThreads)
     float4 v = *reinterpret_cast<const float4*>(&tile[row][col]);
     v = make_float4(v.x * p.scale, v.y * p.scale, v.z * p.scale, v.w * p.scale);
     if (p.rotate) rotate_row(v, col / 4);
-    store_bf16x4(p.dq + (begin + r) * p.dq_stride_token + head * p.dq_stride_head + col, v,
-                 p.quad_stores);
+    store_bf16x4(p.dq, begin + r, head, col, v);
   }
 }
 
@@ -163,8 +150,7 @@ __global__ void __launch_bounds__(kRotateThreads)
   rotate_row(v, lane);
   const int64_t token = row / p.heads_kv;
   const int head = int(row % p.heads_kv);
-  store_bf16x4(p.dk + token * p.dk_stride_token + head * p.dk_stride_head + 4 * lane, v,
-               p.quad_stores);
+  store_bf16x4(p.dk, token, head, 4 * lane, v);
 }
 
 }  // namespace

@@ -50,7 +50,6 @@
 #include <cstdint>
 
 #include "flamia/formats.h"
-#include "flamia/hadamard.h"
 #include "flamia/quantize.h"
 #include "fp8_convert.cuh"
 #include "hadamard_lanes.cuh"
@@ -176,34 +175,6 @@ __device__ __forceinline__ void group_span(const KernelArgs& a, int64_t t, int s
 __device__ __forceinline__ const uint4* chunk_ptr(const OperandArgs& op, int64_t t, int h, int c) {
   return reinterpret_cast<const uint4*>(op.in + t * op.stride_token + h * op.stride_head +
                                         c * kChunkElems);
-}
-
-// Orthonormal Walsh-Hadamard rotation of rows spread over kLanes lanes, kChunkElems values each:
-// hadamard_rotate's stages in the same order (spans 1, 2, 4 inside the thread, then across
-// lanes), each a set of correctly rounded a + b and a - b, then one multiply.
-template <int kLanes, int kRows>
-__device__ __forceinline__ void hadamard_rows(float (&v)[kRows][kChunkElems], int lane_c) {
-#pragma unroll
-  for (int span = 1; span < kChunkElems; span *= 2)
-#pragma unroll
-    for (int base = 0; base < kChunkElems; base += 2 * span)
-#pragma unroll
-      for (int j = base; j < base + span; ++j)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) hadamard_pair(v[r][j], v[r][j + span]);
-#pragma unroll
-  for (int bit = 1; bit < kLanes; bit *= 2) {
-    const bool upper = lane_c & bit;  // holds x[j + span] of each pair
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int j = 0; j < kChunkElems; ++j) v[r][j] = hadamard_across_lanes(v[r][j], bit, upper);
-  }
-  const float scale = hadamard_scale<float>(kLanes * kChunkElems);
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int j = 0; j < kChunkElems; ++j) v[r][j] = __fmul_rn(v[r][j], scale);
 }
 
 template <int kLanes>
