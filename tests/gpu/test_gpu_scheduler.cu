@@ -1,6 +1,7 @@
 // The forward attention's work list built on the GPU, against an independent host enumeration of
-// the (document, query tile, head) items: a permutation of them, correct key blocks, longest first,
-// the heads of a tile adjacent and in order, the counter reset; on one document, many equal ones,
+// the (document, query tile, head) items: a permutation of them, correct key blocks, longest first
+// (or documents together, by their longest tile, each's tiles longest first), the heads of a tile
+// adjacent and in order, the counter reset; on one document, many equal ones,
 // hundreds of odd ones, tens of thousands, zero-length and one-token documents, a 1M-token
 // document (with buckets in shared memory and in the workspace), causal and not, two tile heights.
 // Outputs are poisoned first. Host tests cover the counts and the argument checks, the backward's
@@ -43,12 +44,12 @@ std::vector<ScheduleGeometry> forward_geometries() {
   for (bool causal : {true, false}) {
     for (int block_m : {128, 64}) all.push_back({block_m, 128, causal});
     all.push_back({192, 128, causal, 64});
-    // The forward's geometry with its locality order, and other bucket widths.
+    // Documents together, longest tile first: the forward's geometry and two others.
     ScheduleGeometry forward = sm90::fwd::schedule_geometry(causal);
-    forward.cost_bits = sm90::fwd::kLocalityCostBits;
+    forward.by_document = true;
     all.push_back(forward);
-    all.push_back({128, 128, causal, 0, 3});
-    all.push_back({64, 128, causal, 0, 1});
+    all.push_back({128, 128, causal, 0, true});
+    all.push_back({64, 128, causal, 0, true});
   }
   return all;
 }
@@ -56,7 +57,7 @@ std::vector<ScheduleGeometry> forward_geometries() {
 std::string describe(const ScheduleGeometry& g, int heads) {
   return "block_m " + std::to_string(g.block_m) + ", block_n " + std::to_string(g.block_n) +
          (g.causal ? ", causal" : ", non-causal") + ", row_unit " + std::to_string(g.row_unit) +
-         ", cost_bits " + std::to_string(g.cost_bits) + ", heads " + std::to_string(heads);
+         (g.by_document ? ", by document" : "") + ", heads " + std::to_string(heads);
 }
 
 PackedLayout layout_of(const std::vector<int32_t>& cu, int heads) {
@@ -138,8 +139,15 @@ void check_schedule(const std::vector<int64_t>& lengths, int heads, const Schedu
     EXPECT_EQ(got[0].doc, kPoisonWord);
     return;
   }
+  // by_document: documents sort by their last tile's key blocks.
+  const auto document_key = [&](int doc) {
+    const int64_t tiles = first_tile[doc + 1] - first_tile[doc];
+    return expected_key_blocks(lengths[doc], tiles - 1, g);
+  };
   // num_items distinct members of a set of num_items: a permutation.
   std::vector<bool> seen(size_t(num_items), false);
+  std::vector<bool> doc_started(size_t(num_docs), false);
+  int64_t prev_q_tile = -1;
   for (int64_t i = 0; i < num_items; ++i) {
     const WorkItem& w = got[size_t(i)];
     const std::string where = "item " + std::to_string(i) + " = (doc " + std::to_string(w.doc) +
@@ -159,22 +167,29 @@ void check_schedule(const std::vector<int64_t>& lengths, int heads, const Schedu
     const size_t flat = size_t((first_tile[w.doc] + q_tile) * heads + w.head);
     ASSERT_FALSE(seen[flat]) << where << " appears twice";
     seen[flat] = true;
-    if (i == 0) continue;
-    const WorkItem& prev = got[size_t(i - 1)];
-    // Longest first by bucket: key_blocks, or its leading cost_bits bits.
-    const auto bucket_of = [&](const WorkItem& x) {
-      int64_t b = x.key_blocks;
-      if (g.cost_bits > 0) {
-        int64_t unit = 1;
-        while (b / unit >= (int64_t(1) << g.cost_bits)) unit *= 2;
-        b = b / unit * unit;
-      }
-      return b;
-    };
-    ASSERT_LE(bucket_of(w), bucket_of(prev)) << where << ": not longest first";
+    const WorkItem* prev = i > 0 ? &got[size_t(i - 1)] : nullptr;
     if (w.head > 0) {  // the tile's heads are adjacent and in order (K/V reuse in L2)
-      ASSERT_TRUE(prev.doc == w.doc && prev.first_row == w.first_row && prev.head == w.head - 1)
+      ASSERT_TRUE(prev != nullptr && prev->doc == w.doc && prev->first_row == w.first_row &&
+                  prev->head == w.head - 1)
           << where << " does not follow head " << w.head - 1 << " of its tile";
+    }
+    if (g.by_document) {
+      if (prev == nullptr || prev->doc != w.doc) {
+        // A document starts with its last tile, once, after the documents of higher buckets.
+        ASSERT_FALSE(doc_started[size_t(w.doc)]) << where << ": the document's items are split";
+        doc_started[size_t(w.doc)] = true;
+        ASSERT_EQ(q_tile, tiles - 1) << where << ": the document does not start with its last tile";
+        if (prev != nullptr) {
+          ASSERT_EQ(prev_q_tile, 0) << where << ": the previous document's items are not all done";
+          ASSERT_LE(document_key(w.doc), document_key(prev->doc))
+              << where << ": documents not longest first";
+        }
+      } else if (w.head == 0) {
+        ASSERT_EQ(q_tile, prev_q_tile - 1) << where << ": tiles not in descending order";
+      }
+      prev_q_tile = q_tile;
+    } else if (prev != nullptr) {
+      ASSERT_LE(w.key_blocks, prev->key_blocks) << where << ": not longest first";
     }
   }
 }
@@ -363,25 +378,34 @@ TEST(GpuSchedulerHost, RejectsBadArguments) {
         sm90::max_key_blocks(layout_of(one, 1), {128, 0, true});
       },
       "must be positive");
-  a = good;
-  a.geometry.cost_bits = -1;
-  expect_error(run(a), "cost_bits = -1");
 }
 
-// Cost buckets: the count itself, or its leading bits, longest first; the forward turns them on
-// only where the CTAs would otherwise each hold a different (document, head) pair.
-TEST(ScheduleLocality, CostBucketsAndWhenTheForwardUsesThem) {
-  const int expect_2_bits[] = {0, 1, 2, 3, 4, 4, 6, 6, 8, 8, 8, 8, 12, 12, 12, 12, 16};
-  for (int c = 0; c <= 16; ++c) {
-    EXPECT_EQ(sm90::cost_bucket(c, 0), c);
-    EXPECT_EQ(sm90::cost_bucket(c, 2), expect_2_bits[c]) << c;
-  }
-  EXPECT_EQ(sm90::cost_bucket(1000, 1), 512);
-  EXPECT_EQ(sm90::cost_bucket(1000, 3), 896);
-  EXPECT_EQ(sm90::fwd::locality_cost_bits(1 * 16, 132), 0);  // 1x65536
-  EXPECT_EQ(sm90::fwd::locality_cost_bits(2 * 16, 132), 0);  // 2x32768
-  EXPECT_EQ(sm90::fwd::locality_cost_bits(4 * 16, 132), sm90::fwd::kLocalityCostBits);
-  EXPECT_EQ(sm90::fwd::locality_cost_bits(16 * 16, 132), sm90::fwd::kLocalityCostBits);
+// When the forward takes the by-document order: wherever no document's longest item would run
+// alone at the list's end, by more than 1 % of a CTA's share (or one key block).
+TEST(ScheduleOrder, ByDocumentWhereTheCtasStillFinishTogether) {
+  const ScheduleGeometry g = sm90::fwd::schedule_geometry(true);
+  constexpr int kCtas = 132;
+  const auto balanced = [&](const std::vector<int64_t>& lengths, int heads) {
+    const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
+    return sm90::document_order_balanced(layout_of(cu, heads), g, kCtas);
+  };
+  // The bench's workloads (16 heads), and a single document, whose order is longest first anyway.
+  EXPECT_TRUE(balanced(std::vector<int64_t>(16, 4096), 16));
+  EXPECT_TRUE(balanced(std::vector<int64_t>(8, 8192), 16));
+  EXPECT_TRUE(balanced(std::vector<int64_t>(2, 32768), 16));
+  EXPECT_TRUE(balanced({65536}, 16));
+  EXPECT_TRUE(balanced({65536}, 1));
+  EXPECT_TRUE(balanced(spread_lengths(257, 17, 496), 16));
+  // One head: the last 8192-token document's longest item (64 key blocks) starts with only that
+  // document's other 63 items left (2,016 blocks, 15 a CTA): it ends ~49 blocks after the rest,
+  // 39 % of a CTA's 126.
+  EXPECT_FALSE(balanced(std::vector<int64_t>(8, 8192), 1));
+  // A long document behind many short ones sorts first, so it is balanced too.
+  std::vector<int64_t> mixed(64, 256);
+  mixed.push_back(16384);
+  EXPECT_TRUE(balanced(mixed, 16));
+  EXPECT_TRUE(balanced({}, 16));
+  EXPECT_TRUE(balanced({0, 0}, 16));
 }
 
 // The backward's work list (host-built, bwd_params.h): every (document, key/value head, key block)

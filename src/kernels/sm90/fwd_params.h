@@ -43,18 +43,6 @@ FLAMIA_HD bool item_sees_tile_whole(int32_t doc_len, int32_t row, int32_t kb, bo
   return kb <= schedule_key_blocks(doc_len, q_tile, g) - 1 - masked_tiles(causal);
 }
 
-// The work list's locality (ScheduleGeometry::cost_bits). With few (document, query head) pairs
-// the CTAs running at one time already hold several adjacent tiles of each, whose K/V they share
-// in L2; with more than ctas / kSharedTilesPerPair pairs (four or more 16-head documents on 132
-// CTAs) each would hold its own, so items sort by two leading bits of their cost, which keeps a
-// pair's consecutive tiles together. Measured (docs/PERF.md, item 88): forward 8x8192 -6 % (mxfp8)
-// and -5 % (mxfp8-qk16), 4x16384 -2 / -3.5 %; on 1x65536 and 2x32768 the coarse order was slower.
-constexpr int kLocalityCostBits = 2;
-constexpr int64_t kSharedTilesPerPair = 4;
-constexpr int locality_cost_bits(int64_t doc_head_pairs, int ctas) {
-  return doc_head_pairs * kSharedTilesPerPair > ctas ? kLocalityCostBits : 0;
-}
-
 // The operands of the score product S = Q K^T.
 enum class ScoreOperand {
   kE4m3,  // mxfp8: E4M3 codes with per-token exponents (any policy's exponent arrays)

@@ -1,13 +1,15 @@
 // The forward attention's work list: a counting sort of (document, query tile) by visible key
-// blocks, longest first, in one launch of one CTA.
+// blocks, or of documents by their longest tile's, longest first, in one launch of one CTA.
 //
 // Structure (1024 threads):
 //   1. zero one bucket per key-block count (shared memory, or the workspace when too many) and
 //      reset the persistent kernel's counter;
-//   2. histogram: walk every query tile and add `heads` to its key's bucket;
+//   2. histogram: walk every query tile and add `heads` to its key's bucket (by_document: walk
+//      every document and add its items to its longest tile's bucket);
 //   3. exclusive scan of the buckets in descending key order: each becomes its key's first slot;
 //   4. scatter: walk the tiles again, take `heads` consecutive slots from the key's cursor and
-//      write the tile's items there, heads in order.
+//      write the tile's items there, heads in order (by_document: each document of a chunk first
+//      takes its items' slots from its bucket's cursor, then its tiles fill them longest first).
 // Tiles are walked in chunks of kChunkDocs documents: a block scan gives the chunk's tile offsets
 // and each thread finds its tile's document by binary search in them, so a single 1M-token
 // document and tens of thousands of short ones both spread evenly over the threads. Lanes of a
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <vector>
 
 #include "check.h"
 #include "scheduler.h"
@@ -28,8 +31,7 @@ namespace {
 constexpr int kThreads = 1024;
 constexpr int kWarpThreads = 32;
 constexpr unsigned kFullWarp = 0xFFFFFFFFu;
-constexpr int kDocsPerThread = 2;
-constexpr int kChunkDocs = kThreads * kDocsPerThread;
+constexpr int kChunkDocs = kThreads;  // one document a thread per chunk
 
 // A kernel gets 48 KiB of shared memory without opting in; the chunk's tile offsets and the scan
 // take about 8 KiB, the buckets get the rest. 9216 buckets cover a 1M-token document at
@@ -44,6 +46,7 @@ using BlockScan = cub::BlockScan<int, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 struct SharedStorage {
   typename BlockScan::TempStorage scan;
   int tile_offset[kChunkDocs + 1];  // the chunk's exclusive prefix of query tiles, then its total
+  int item_base[kChunkDocs];        // by_document: the slot of each document's first item, or -1
 };
 static_assert(sizeof(SharedStorage) + kSharedKeyBuckets * sizeof(int) <= kDefaultSharedBytes,
               "static + dynamic shared memory must fit the default 48 KiB");
@@ -68,41 +71,35 @@ size_t bucket_workspace_bytes(int max_key_blocks) {
   return buckets_in_shared(max_key_blocks) ? 0 : (size_t(max_key_blocks) + 1) * sizeof(int);
 }
 
-// Calls visit(doc, q_tile, key_blocks) once per query tile of the batch, with doc = -1 on threads
-// without a tile in a round. Every thread of the block makes the same number of calls, so `visit`
-// may use warp-collective intrinsics on the full mask.
-template <typename Visit>
-__device__ __forceinline__ void for_each_tile(const Params& p, SharedStorage& s, Visit&& visit) {
+// Per chunk of kChunkDocs documents, calls at_document(doc, length, tiles) once on each thread (doc
+// = -1 past the last document), then visit(doc, chunk_doc, q_tile, key_blocks) once per query tile
+// of the chunk, with doc = -1 on threads without a tile in a round; chunk_doc indexes
+// SharedStorage::item_base. Every thread of the block makes the same calls, so both may use
+// warp-collective intrinsics on the full mask, and what at_document writes to shared memory is
+// visible to every visit.
+template <typename AtDocument, typename Visit>
+__device__ __forceinline__ void for_each_tile(const Params& p, SharedStorage& s,
+                                              AtDocument&& at_document, Visit&& visit) {
   const int tid = int(threadIdx.x);
   for (int64_t chunk = 0; chunk < p.num_docs; chunk += kChunkDocs) {
-    int tiles[kDocsPerThread];
-    int thread_tiles = 0;
-#pragma unroll
-    for (int i = 0; i < kDocsPerThread; ++i) {
-      const int64_t doc = chunk + tid * kDocsPerThread + i;
-      tiles[i] = doc < p.num_docs ? schedule_query_tiles(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc],
-                                                         p.geometry.block_m)
-                                  : 0;
-      thread_tiles += tiles[i];
-    }
+    const int64_t doc = chunk + tid;
+    const int32_t length = doc < p.num_docs ? p.cu_seqlens[doc + 1] - p.cu_seqlens[doc] : 0;
+    const int tiles = schedule_query_tiles(length, p.geometry.block_m);
+    at_document(doc < p.num_docs ? int(doc) : -1, length, tiles);
     int offset = 0, chunk_tiles = 0;
-    BlockScan(s.scan).ExclusiveSum(thread_tiles, offset, chunk_tiles);
-#pragma unroll
-    for (int i = 0; i < kDocsPerThread; ++i) {
-      s.tile_offset[tid * kDocsPerThread + i] = offset;
-      offset += tiles[i];
-    }
+    BlockScan(s.scan).ExclusiveSum(tiles, offset, chunk_tiles);
+    s.tile_offset[tid] = offset;
     if (tid == 0) s.tile_offset[kChunkDocs] = chunk_tiles;
     __syncthreads();
 
     for (int round = 0; round < chunk_tiles; round += kThreads) {
       const int tile = round + tid;
-      int doc = -1, q_tile = 0, key = 0;
+      int tile_doc = -1, lo = 0, q_tile = 0, key = 0;
       if (tile < chunk_tiles) {
         // The last document of the chunk whose first tile is <= `tile`; zero-tile documents share
         // their offset with the next one and are skipped. Invariant: offset[lo] <= tile <
         // offset[hi].
-        int lo = 0, hi = kChunkDocs;
+        int hi = kChunkDocs;
         while (hi - lo > 1) {
           const int mid = (lo + hi) / 2;
           if (s.tile_offset[mid] <= tile) {
@@ -111,13 +108,29 @@ __device__ __forceinline__ void for_each_tile(const Params& p, SharedStorage& s,
             hi = mid;
           }
         }
-        doc = int(chunk) + lo;
+        tile_doc = int(chunk) + lo;
         q_tile = tile - s.tile_offset[lo];
-        key = schedule_key_blocks(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc], q_tile, p.geometry);
+        key = schedule_key_blocks(p.cu_seqlens[tile_doc + 1] - p.cu_seqlens[tile_doc], q_tile,
+                                  p.geometry);
       }
-      visit(doc, q_tile, key);
+      visit(tile_doc, lo, q_tile, key);
     }
-    __syncthreads();  // the next chunk rewrites tile_offset and the scan's storage
+    __syncthreads();  // the next chunk rewrites tile_offset, item_base and the scan's storage
+  }
+}
+
+// Lanes of a warp whose `bucket` is equal (peers) share one atomic: each lane's `count` summed over
+// its peers in lower lanes (`below`) and over all its peers (`total`). Called by the full warp.
+__device__ __forceinline__ void peer_sums(unsigned peers, int count, int lane, int& below,
+                                          int& total) {
+  below = 0;
+  total = 0;
+  for (int l = 0; l < kWarpThreads; ++l) {
+    const int c = __shfl_sync(kFullWarp, count, l);
+    if ((peers >> l) & 1u) {
+      total += c;
+      if (l < lane) below += c;
+    }
   }
 }
 
@@ -138,16 +151,36 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
   // A key outside [1, max_key_blocks] only arises from a device cu_seqlens unlike the host layout
   // the arguments were computed from: such tiles are dropped rather than written out of bounds.
   auto bucket_of = [&](int doc, int key) {
-    return doc >= 0 && key >= 1 && key <= p.max_key_blocks ? schedule_cost_bucket(key, p.geometry)
-                                                           : -1;
+    return doc >= 0 && key >= 1 && key <= p.max_key_blocks ? key : -1;
   };
+  const bool by_document = p.geometry.by_document;
+  // by_document: a document's bucket is its longest (last) tile's key, and its items take
+  // consecutive slots, counted or claimed by one atomic per bucket per warp.
+  auto document_bucket = [&](int doc, int32_t length, int tiles) {
+    return tiles > 0 ? bucket_of(doc, schedule_key_blocks(length, tiles - 1, p.geometry)) : -1;
+  };
+  auto no_document = [](int, int32_t, int) {};
+  auto no_tile = [](int, int, int, int) {};
 
-  for_each_tile(p, s, [&](int doc, int, int key) {
+  // Histogram: items per bucket.
+  auto count_tile = [&](int doc, int, int, int key) {
     const int bucket = bucket_of(doc, key);
     const unsigned peers = __match_any_sync(kFullWarp, bucket);
     if (bucket >= 0 && lane == __ffs(peers) - 1)
       atomicAdd(&buckets[bucket], __popc(peers) * p.heads);
-  });
+  };
+  auto count_document = [&](int doc, int32_t length, int tiles) {
+    const int bucket = document_bucket(doc, length, tiles);
+    const unsigned peers = __match_any_sync(kFullWarp, bucket);
+    int below, total;
+    peer_sums(peers, tiles * p.heads, lane, below, total);
+    if (bucket >= 0 && lane == __ffs(peers) - 1) atomicAdd(&buckets[bucket], total);
+  };
+  if (by_document) {
+    for_each_tile(p, s, count_document, no_tile);
+  } else {
+    for_each_tile(p, s, no_document, count_tile);
+  }
   __syncthreads();
 
   // Descending exclusive scan: thread t owns a run of keys counted down from max_key_blocks.
@@ -169,23 +202,48 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
   }
   __syncthreads();
 
-  for_each_tile(p, s, [&](int doc, int q_tile, int key) {
+  // Scatter: a tile's heads take `heads` consecutive slots from `first`, in head order.
+  auto write_tile = [&](int64_t first, int doc, int q_tile, int key) {
+    if (first < 0 || first + p.heads > p.num_items) return;
+    const int first_row =
+        schedule_first_row(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc], q_tile, p.geometry);
+    for (int h = 0; h < p.heads; ++h) p.items[first + h] = make_int4(doc, first_row, h, key);
+  };
+  auto place_tile = [&](int doc, int, int q_tile, int key) {
     const int bucket = bucket_of(doc, key);
     const unsigned peers = __match_any_sync(kFullWarp, bucket);
     const int leader = __ffs(peers) - 1;
-    const int first_row =
-        doc < 0 ? 0
-                : schedule_first_row(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc], q_tile, p.geometry);
     int base = 0;
     if (bucket >= 0 && lane == leader) base = atomicAdd(&buckets[bucket], __popc(peers) * p.heads);
     base = __shfl_sync(kFullWarp, base, leader);
     if (bucket < 0) return;
     // Lanes hold a document's tiles in ascending order, so the lanes above come first: a
     // bucket's tiles stay longest first within the warp.
-    const int64_t first = int64_t(base) + int64_t(__popc(peers & lanes_above)) * p.heads;
-    if (first < 0 || first + p.heads > p.num_items) return;
-    for (int h = 0; h < p.heads; ++h) p.items[first + h] = make_int4(doc, first_row, h, key);
-  });
+    write_tile(int64_t(base) + int64_t(__popc(peers & lanes_above)) * p.heads, doc, q_tile, key);
+  };
+  auto place_document = [&](int doc, int32_t length, int tiles) {
+    const int bucket = document_bucket(doc, length, tiles);
+    const unsigned peers = __match_any_sync(kFullWarp, bucket);
+    const int leader = __ffs(peers) - 1;
+    int below, total;
+    peer_sums(peers, tiles * p.heads, lane, below, total);
+    int base = 0;
+    if (bucket >= 0 && lane == leader) base = atomicAdd(&buckets[bucket], total);
+    base = __shfl_sync(kFullWarp, base, leader);
+    s.item_base[threadIdx.x] = bucket >= 0 ? base + below : -1;
+  };
+  // A document's tiles longest (last) first.
+  auto place_document_tile = [&](int doc, int chunk_doc, int q_tile, int key) {
+    if (doc < 0 || s.item_base[chunk_doc] < 0) return;
+    const int tiles =
+        schedule_query_tiles(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc], p.geometry.block_m);
+    write_tile(s.item_base[chunk_doc] + int64_t(tiles - 1 - q_tile) * p.heads, doc, q_tile, key);
+  };
+  if (by_document) {
+    for_each_tile(p, s, place_document, place_document_tile);
+  } else {
+    for_each_tile(p, s, no_document, place_tile);
+  }
 }
 
 [[noreturn]] void fail(const std::string& what) {
@@ -196,9 +254,6 @@ void validate_geometry(const ScheduleGeometry& g) {
   if (g.block_m <= 0 || g.block_n <= 0)
     throw Error("schedule geometry: block_m = " + std::to_string(g.block_m) +
                 " and block_n = " + std::to_string(g.block_n) + " must be positive");
-  if (g.cost_bits < 0 || g.cost_bits > 30)
-    throw Error("schedule geometry: cost_bits = " + std::to_string(g.cost_bits) +
-                " must be in [0, 30]");
   if (g.row_unit < 0 || (g.row_unit > 0 && g.block_m % g.row_unit != 0))
     throw Error("schedule geometry: row_unit = " + std::to_string(g.row_unit) +
                 " must be 0 or a positive divisor of block_m = " + std::to_string(g.block_m));
@@ -225,6 +280,41 @@ int max_key_blocks(const PackedLayout& layout, const ScheduleGeometry& g) {
     most = std::max(most, int(schedule_key_blocks(len, last_tile, g)));
   }
   return most;
+}
+
+bool document_order_balanced(const PackedLayout& layout, const ScheduleGeometry& g, int ctas) {
+  validate_geometry(g);
+  struct DocumentWork {
+    int64_t longest;  // key blocks of its longest (last) tile
+    int64_t work;     // key blocks of all its items
+  };
+  std::vector<DocumentWork> docs;
+  int64_t total = 0;
+  for (int b = 0; b < layout.num_docs; ++b) {
+    const int32_t len = layout.doc_length(b);
+    const int32_t tiles = schedule_query_tiles(len, g.block_m);
+    if (tiles == 0) continue;
+    int64_t blocks = 0;
+    for (int32_t t = 0; t < tiles; ++t) blocks += schedule_key_blocks(len, t, g);
+    docs.push_back({schedule_key_blocks(len, tiles - 1, g), blocks * layout.heads_q});
+    total += docs.back().work;
+  }
+  if (ctas <= 1 || docs.empty()) return true;
+  // The list's document order; among equal longest tiles, the least work last (the worst case of
+  // the builder's arbitrary order there).
+  std::sort(docs.begin(), docs.end(), [](const DocumentWork& a, const DocumentWork& b) {
+    return a.longest != b.longest ? a.longest > b.longest : a.work > b.work;
+  });
+  int64_t later = total;
+  double overrun = 0;
+  for (const DocumentWork& d : docs) {
+    later -= d.work;
+    // The document's longest item starts first; the other CTAs have its other items and the later
+    // documents' to share meanwhile.
+    const double others = double(d.work - d.longest + later) / double(ctas - 1);
+    overrun = std::max(overrun, double(d.longest) - others);
+  }
+  return overrun <= std::max(kDocumentOrderSlack * double(total) / double(ctas), 1.0);
 }
 
 size_t schedule_workspace_bytes(const PackedLayout& layout, const ScheduleGeometry& g) {

@@ -8,10 +8,10 @@
 // warpgroups; 4096 tokens leave one warpgroup's rows for a partial tile). An item's cost is its
 // number of visible key blocks. build_schedule writes the items sorted by that cost, longest first
 // (LPT), so persistent CTAs that take items in order through an atomic counter finish close
-// together; with ScheduleGeometry::cost_bits, by cost buckets (schedule_cost_bucket), inside which
-// the tiles of one document that one warp of the builder walked are adjacent, longest first. The
-// `heads` items of a query tile are adjacent and in head order (the heads of a GQA group then share
-// K/V in L2); the order of tiles in one bucket may differ from call to call.
+// together; or, with ScheduleGeometry::by_document, each document's items contiguous, its tiles
+// longest first, and the documents sorted by their longest tile, longest first. The `heads` items
+// of a query tile are adjacent and in head order (the heads of a GQA group then share K/V in L2);
+// the order of tiles (documents) of equal cost may differ from call to call.
 //
 // Plain C++: usable from .cc files; the inline helpers also compile as device code under nvcc.
 #pragma once
@@ -38,24 +38,11 @@ struct ScheduleGeometry {
   int block_m = 128, block_n = 128;
   bool causal = true;
   int row_unit = 0;  // 0: tiles start at the document's first row; else a divisor of block_m
-  // 0: items sort by key_blocks; else by key_blocks cut to this many leading bits.
-  int cost_bits = 0;
+  // Items of a document contiguous (document_order_balanced says when): the CTAs running at one
+  // time then hold a few documents' tiles, which share those documents' K/V in L2, where
+  // longest-first items would each stream a different (document, head)'s.
+  bool by_document = false;
 };
-
-// The sort bucket of an item of `key_blocks` visible key blocks: the count itself, or with
-// cost_bits its leading cost_bits bits (2 bits: 1, 2, 3, 4-5, 6-7, 8-11, 12-15, 16-23, ...). A
-// wide bucket holds several consecutive tiles of each document, adjacent in the list, so that the
-// CTAs running at one time share the documents' K/V in L2; buckets stay narrow where items are
-// short, at the list's end, where the longest-first order evens out the CTAs' finishing times.
-FLAMIA_HD int32_t cost_bucket(int32_t cost, int bits) {
-  if (bits <= 0) return cost;
-  int shift = 0;
-  while ((cost >> shift) >= (1 << bits)) ++shift;
-  return cost >> shift << shift;
-}
-FLAMIA_HD int32_t schedule_cost_bucket(int32_t key_blocks, const ScheduleGeometry& g) {
-  return cost_bucket(key_blocks, g.cost_bits);
-}
 
 // Rows of query tile 0 before the document (0 without row_unit): block_m minus the document's
 // length rounded up to row_unit, modulo block_m.
@@ -90,6 +77,13 @@ FLAMIA_HD int32_t schedule_key_blocks(int32_t doc_len, int32_t q_tile, const Sch
 int64_t count_work_items(const PackedLayout& layout, const ScheduleGeometry& g);
 // The largest key_blocks of any item (0 without items): ScheduleArgs::max_key_blocks.
 int max_key_blocks(const PackedLayout& layout, const ScheduleGeometry& g);
+// Whether the by_document order keeps the CTAs' finishing times even: the host's estimate, for
+// each document, of how long its longest item runs past the work queued after it on the other
+// ctas - 1 CTAs, at most kDocumentOrderSlack of a CTA's share of all the work (or one key block,
+// the granularity of either order). Documents whose longest item is long and whose items are few
+// (few heads) would otherwise end the list with one CTA running alone.
+constexpr double kDocumentOrderSlack = 0.01;
+bool document_order_balanced(const PackedLayout& layout, const ScheduleGeometry& g, int ctas);
 // Device workspace build_schedule needs (bytes; 0 for all but very long documents, and then
 // ScheduleArgs::workspace may be null).
 size_t schedule_workspace_bytes(const PackedLayout& layout, const ScheduleGeometry& g);
