@@ -37,6 +37,8 @@ using test::expect_error;
 constexpr int kMillion = 1 << 20;
 constexpr int32_t kPoisonWord = -1;  // every byte 0xFF
 
+constexpr int kAnyHeadGroup = -1;  // forward_geometries: by document, in each head group size
+
 // Tiles of 128 or 64 queries from the document's start, and the forward kernel's 192 aligned to
 // its end in 64-row units; 128 keys, causal or not.
 std::vector<ScheduleGeometry> forward_geometries() {
@@ -44,12 +46,13 @@ std::vector<ScheduleGeometry> forward_geometries() {
   for (bool causal : {true, false}) {
     for (int block_m : {128, 64}) all.push_back({block_m, 128, causal});
     all.push_back({192, 128, causal, 64});
-    // Documents together, longest tile first: the forward's geometry and two others.
+    // By document (check_all_geometries fills in head groups): the forward's geometry and two
+    // others.
     ScheduleGeometry forward = sm90::fwd::schedule_geometry(causal);
-    forward.by_document = true;
+    forward.head_group = kAnyHeadGroup;
     all.push_back(forward);
-    all.push_back({128, 128, causal, 0, true});
-    all.push_back({64, 128, causal, 0, true});
+    all.push_back({128, 128, causal, 0, kAnyHeadGroup});
+    all.push_back({64, 128, causal, 0, kAnyHeadGroup});
   }
   return all;
 }
@@ -57,7 +60,7 @@ std::vector<ScheduleGeometry> forward_geometries() {
 std::string describe(const ScheduleGeometry& g, int heads) {
   return "block_m " + std::to_string(g.block_m) + ", block_n " + std::to_string(g.block_n) +
          (g.causal ? ", causal" : ", non-causal") + ", row_unit " + std::to_string(g.row_unit) +
-         (g.by_document ? ", by document" : "") + ", heads " + std::to_string(heads);
+         ", head_group " + std::to_string(g.head_group) + ", heads " + std::to_string(heads);
 }
 
 PackedLayout layout_of(const std::vector<int32_t>& cu, int heads) {
@@ -139,7 +142,7 @@ void check_schedule(const std::vector<int64_t>& lengths, int heads, const Schedu
     EXPECT_EQ(got[0].doc, kPoisonWord);
     return;
   }
-  // by_document: documents sort by their last tile's key blocks.
+  // By document: documents sort by their last tile's key blocks.
   const auto document_key = [&](int doc) {
     const int64_t tiles = first_tile[doc + 1] - first_tile[doc];
     return expected_key_blocks(lengths[doc], tiles - 1, g);
@@ -147,7 +150,7 @@ void check_schedule(const std::vector<int64_t>& lengths, int heads, const Schedu
   // num_items distinct members of a set of num_items: a permutation.
   std::vector<bool> seen(size_t(num_items), false);
   std::vector<bool> doc_started(size_t(num_docs), false);
-  int64_t prev_q_tile = -1;
+  int64_t doc_start = 0;  // by document: the list position of the current document's first item
   for (int64_t i = 0; i < num_items; ++i) {
     const WorkItem& w = got[size_t(i)];
     const std::string where = "item " + std::to_string(i) + " = (doc " + std::to_string(w.doc) +
@@ -168,34 +171,55 @@ void check_schedule(const std::vector<int64_t>& lengths, int heads, const Schedu
     ASSERT_FALSE(seen[flat]) << where << " appears twice";
     seen[flat] = true;
     const WorkItem* prev = i > 0 ? &got[size_t(i - 1)] : nullptr;
-    if (w.head > 0) {  // the tile's heads are adjacent and in order (K/V reuse in L2)
-      ASSERT_TRUE(prev != nullptr && prev->doc == w.doc && prev->first_row == w.first_row &&
-                  prev->head == w.head - 1)
-          << where << " does not follow head " << w.head - 1 << " of its tile";
-    }
-    if (g.by_document) {
+    if (g.head_group > 0) {
       if (prev == nullptr || prev->doc != w.doc) {
-        // A document starts with its last tile, once, after the documents of higher buckets.
+        // A document's items, once, after the whole previous document, whose last tile is as
+        // long or longer.
         ASSERT_FALSE(doc_started[size_t(w.doc)]) << where << ": the document's items are split";
         doc_started[size_t(w.doc)] = true;
-        ASSERT_EQ(q_tile, tiles - 1) << where << ": the document does not start with its last tile";
         if (prev != nullptr) {
-          ASSERT_EQ(prev_q_tile, 0) << where << ": the previous document's items are not all done";
+          const int64_t prev_tiles = first_tile[prev->doc + 1] - first_tile[prev->doc];
+          ASSERT_EQ(i - doc_start, prev_tiles * heads)
+              << where << ": the previous document's items are not all done";
           ASSERT_LE(document_key(w.doc), document_key(prev->doc))
               << where << ": documents not longest first";
         }
-      } else if (w.head == 0) {
-        ASSERT_EQ(q_tile, prev_q_tile - 1) << where << ": tiles not in descending order";
+        doc_start = i;
       }
-      prev_q_tile = q_tile;
+      // Inside the document: head groups in order, a group's tiles longest first, a tile's heads
+      // of the group adjacent.
+      const int64_t gsize = g.head_group;
+      const int64_t expected =
+          w.head / gsize * gsize * tiles + (tiles - 1 - q_tile) * gsize + w.head % gsize;
+      ASSERT_EQ(i - doc_start, expected) << where << ": not at its place in the document";
     } else if (prev != nullptr) {
       ASSERT_LE(w.key_blocks, prev->key_blocks) << where << ": not longest first";
+      if (w.head > 0) {  // the tile's heads are adjacent and in order (K/V reuse in L2)
+        ASSERT_TRUE(prev->doc == w.doc && prev->first_row == w.first_row &&
+                    prev->head == w.head - 1)
+            << where << " does not follow head " << w.head - 1 << " of its tile";
+      }
+    } else {
+      ASSERT_EQ(w.head, 0) << where;
     }
   }
 }
 
+// Each geometry; by document with groups of every head, the smallest divisor above 1, and all.
 void check_all_geometries(const std::vector<int64_t>& lengths, int heads) {
-  for (const ScheduleGeometry& g : forward_geometries()) check_schedule(lengths, heads, g);
+  for (ScheduleGeometry g : forward_geometries()) {
+    if (g.head_group != kAnyHeadGroup) {
+      check_schedule(lengths, heads, g);
+      continue;
+    }
+    int divisor = heads;
+    for (int d = heads - 1; d > 1; --d)
+      if (heads % d == 0) divisor = d;
+    for (int group : {1, divisor, heads}) {
+      g.head_group = group;
+      check_schedule(lengths, heads, g);
+    }
+  }
 }
 
 // Deterministic lengths in [lo, hi].
@@ -366,6 +390,12 @@ TEST(GpuSchedulerHost, RejectsBadArguments) {
   a = good;
   a.max_key_blocks = 20000;
   expect_error(run(a), "workspace is null");
+  a = good;
+  a.geometry.head_group = 3;  // does not divide heads 2
+  expect_error(run(a), "head_group = 3");
+  a = good;
+  a.geometry.head_group = -1;
+  expect_error(run(a), "head_group = -1");
 
   const std::vector<int32_t> one = cu_seqlens_from_lengths({10});
   expect_error(
@@ -380,32 +410,42 @@ TEST(GpuSchedulerHost, RejectsBadArguments) {
       "must be positive");
 }
 
-// When the forward takes the by-document order: wherever no document's longest item would run
-// alone at the list's end, by more than 1 % of a CTA's share (or one key block).
-TEST(ScheduleOrder, ByDocumentWhereTheCtasStillFinishTogether) {
+// The forward's head groups: the fewest heads (whole GQA groups) whose last group's longest item
+// does not run alone at the list's end by more than 1 % of a CTA's share (or one key block), or 0
+// (longest first).
+TEST(ScheduleOrder, FewestHeadsAGroupThatKeepTheCtasTogether) {
   const ScheduleGeometry g = sm90::fwd::schedule_geometry(true);
   constexpr int kCtas = 132;
-  const auto balanced = [&](const std::vector<int64_t>& lengths, int heads) {
+  const auto group = [&](const std::vector<int64_t>& lengths, int heads, int heads_kv) {
     const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
-    return sm90::document_order_balanced(layout_of(cu, heads), g, kCtas);
+    PackedLayout l = layout_of(cu, heads);
+    l.heads_kv = heads_kv;
+    return sm90::document_head_group(l, g, kCtas);
   };
-  // The bench's workloads (16 heads), and a single document, whose order is longest first anyway.
-  EXPECT_TRUE(balanced(std::vector<int64_t>(16, 4096), 16));
-  EXPECT_TRUE(balanced(std::vector<int64_t>(8, 8192), 16));
-  EXPECT_TRUE(balanced(std::vector<int64_t>(2, 32768), 16));
-  EXPECT_TRUE(balanced({65536}, 16));
-  EXPECT_TRUE(balanced({65536}, 1));
-  EXPECT_TRUE(balanced(spread_lengths(257, 17, 496), 16));
+  // The bench's equal-length workloads (16 heads): the longer the documents, the fewer heads a
+  // group, down to one on one 65,536-token document (a head's longest item, 512 key blocks,
+  // starts with ~87,000 blocks of the head's other items queued for the other CTAs).
+  EXPECT_EQ(group(std::vector<int64_t>(16, 4096), 16, 16), 16);
+  EXPECT_EQ(group(std::vector<int64_t>(8, 8192), 16, 16), 8);
+  EXPECT_EQ(group(std::vector<int64_t>(4, 16384), 16, 16), 4);
+  EXPECT_EQ(group(std::vector<int64_t>(2, 32768), 16, 16), 2);
+  EXPECT_EQ(group({65536}, 16, 16), 1);
+  EXPECT_EQ(group({65536}, 1, 1), 1);
+  // GQA: groups of whole key/value heads.
+  EXPECT_EQ(group(std::vector<int64_t>(4, 16384), 16, 4), 4);
+  EXPECT_EQ(group({65536}, 16, 2), 8);
   // One head: the last 8192-token document's longest item (64 key blocks) starts with only that
-  // document's other 63 items left (2,016 blocks, 15 a CTA): it ends ~49 blocks after the rest,
-  // 39 % of a CTA's 126.
-  EXPECT_FALSE(balanced(std::vector<int64_t>(8, 8192), 1));
-  // A long document behind many short ones sorts first, so it is balanced too.
+  // document's other 42 items left (1,344 blocks, 10.3 a CTA): it ends ~54 blocks after the rest,
+  // where the slack is one block.
+  EXPECT_EQ(group(std::vector<int64_t>(8, 8192), 1, 1), 0);
+  // A long document sorts before many short ones.
   std::vector<int64_t> mixed(64, 256);
   mixed.push_back(16384);
-  EXPECT_TRUE(balanced(mixed, 16));
-  EXPECT_TRUE(balanced({}, 16));
-  EXPECT_TRUE(balanced({0, 0}, 16));
+  EXPECT_EQ(group(mixed, 16, 16), 4);
+  // Short documents: no item is long, so one head a group.
+  EXPECT_EQ(group(spread_lengths(257, 17, 496), 16, 16), 1);
+  EXPECT_EQ(group({}, 16, 16), 1);
+  EXPECT_EQ(group({0, 0}, 16, 16), 1);
 }
 
 // The backward's work list (host-built, bwd_params.h): every (document, key/value head, key block)

@@ -4,12 +4,13 @@
 // Structure (1024 threads):
 //   1. zero one bucket per key-block count (shared memory, or the workspace when too many) and
 //      reset the persistent kernel's counter;
-//   2. histogram: walk every query tile and add `heads` to its key's bucket (by_document: walk
+//   2. histogram: walk every query tile and add `heads` to its key's bucket (by document: walk
 //      every document and add its items to its longest tile's bucket);
 //   3. exclusive scan of the buckets in descending key order: each becomes its key's first slot;
 //   4. scatter: walk the tiles again, take `heads` consecutive slots from the key's cursor and
-//      write the tile's items there, heads in order (by_document: each document of a chunk first
-//      takes its items' slots from its bucket's cursor, then its tiles fill them longest first).
+//      write the tile's items there, heads in order (by document: each document of a chunk first
+//      takes its items' slots from its bucket's cursor, then its tiles fill them, each head group
+//      longest first).
 // Tiles are walked in chunks of kChunkDocs documents: a block scan gives the chunk's tile offsets
 // and each thread finds its tile's document by binary search in them, so a single 1M-token
 // document and tens of thousands of short ones both spread evenly over the threads. Lanes of a
@@ -46,7 +47,7 @@ using BlockScan = cub::BlockScan<int, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
 struct SharedStorage {
   typename BlockScan::TempStorage scan;
   int tile_offset[kChunkDocs + 1];  // the chunk's exclusive prefix of query tiles, then its total
-  int item_base[kChunkDocs];        // by_document: the slot of each document's first item, or -1
+  int item_base[kChunkDocs];        // by document: the slot of each document's first item, or -1
 };
 static_assert(sizeof(SharedStorage) + kSharedKeyBuckets * sizeof(int) <= kDefaultSharedBytes,
               "static + dynamic shared memory must fit the default 48 KiB");
@@ -153,8 +154,9 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
   auto bucket_of = [&](int doc, int key) {
     return doc >= 0 && key >= 1 && key <= p.max_key_blocks ? key : -1;
   };
-  const bool by_document = p.geometry.by_document;
-  // by_document: a document's bucket is its longest (last) tile's key, and its items take
+  const int head_group = p.geometry.head_group;
+  const bool by_document = head_group > 0;
+  // By document: a document's bucket is its longest (last) tile's key, and its items take
   // consecutive slots, counted or claimed by one atomic per bucket per warp.
   auto document_bucket = [&](int doc, int32_t length, int tiles) {
     return tiles > 0 ? bucket_of(doc, schedule_key_blocks(length, tiles - 1, p.geometry)) : -1;
@@ -202,12 +204,12 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
   }
   __syncthreads();
 
-  // Scatter: a tile's heads take `heads` consecutive slots from `first`, in head order.
-  auto write_tile = [&](int64_t first, int doc, int q_tile, int key) {
-    if (first < 0 || first + p.heads > p.num_items) return;
+  // Scatter: a tile's heads h0 .. h0 + heads - 1 take `heads` consecutive slots from `first`.
+  auto write_tile = [&](int64_t first, int heads, int h0, int doc, int q_tile, int key) {
+    if (first < 0 || first + heads > p.num_items) return;
     const int first_row =
         schedule_first_row(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc], q_tile, p.geometry);
-    for (int h = 0; h < p.heads; ++h) p.items[first + h] = make_int4(doc, first_row, h, key);
+    for (int h = 0; h < heads; ++h) p.items[first + h] = make_int4(doc, first_row, h0 + h, key);
   };
   auto place_tile = [&](int doc, int, int q_tile, int key) {
     const int bucket = bucket_of(doc, key);
@@ -219,7 +221,8 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
     if (bucket < 0) return;
     // Lanes hold a document's tiles in ascending order, so the lanes above come first: a
     // bucket's tiles stay longest first within the warp.
-    write_tile(int64_t(base) + int64_t(__popc(peers & lanes_above)) * p.heads, doc, q_tile, key);
+    write_tile(int64_t(base) + int64_t(__popc(peers & lanes_above)) * p.heads, p.heads, 0, doc,
+               q_tile, key);
   };
   auto place_document = [&](int doc, int32_t length, int tiles) {
     const int bucket = document_bucket(doc, length, tiles);
@@ -232,12 +235,17 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
     base = __shfl_sync(kFullWarp, base, leader);
     s.item_base[threadIdx.x] = bucket >= 0 ? base + below : -1;
   };
-  // A document's tiles longest (last) first.
+  // A document's head groups in order, each group's tiles longest (last) first, a tile's heads of
+  // the group adjacent.
   auto place_document_tile = [&](int doc, int chunk_doc, int q_tile, int key) {
     if (doc < 0 || s.item_base[chunk_doc] < 0) return;
     const int tiles =
         schedule_query_tiles(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc], p.geometry.block_m);
-    write_tile(s.item_base[chunk_doc] + int64_t(tiles - 1 - q_tile) * p.heads, doc, q_tile, key);
+    const int64_t group_items = int64_t(head_group) * tiles;
+    const int64_t in_group = int64_t(tiles - 1 - q_tile) * head_group;
+    for (int h0 = 0; h0 < p.heads; h0 += head_group)
+      write_tile(s.item_base[chunk_doc] + h0 / head_group * group_items + in_group, head_group, h0,
+                 doc, q_tile, key);
   };
   if (by_document) {
     for_each_tile(p, s, place_document, place_document_tile);
@@ -282,11 +290,11 @@ int max_key_blocks(const PackedLayout& layout, const ScheduleGeometry& g) {
   return most;
 }
 
-bool document_order_balanced(const PackedLayout& layout, const ScheduleGeometry& g, int ctas) {
+int document_head_group(const PackedLayout& layout, const ScheduleGeometry& g, int ctas) {
   validate_geometry(g);
   struct DocumentWork {
-    int64_t longest;  // key blocks of its longest (last) tile
-    int64_t work;     // key blocks of all its items
+    int64_t longest;    // key blocks of its longest (last) tile
+    int64_t head_work;  // key blocks of one head's items
   };
   std::vector<DocumentWork> docs;
   int64_t total = 0;
@@ -296,25 +304,30 @@ bool document_order_balanced(const PackedLayout& layout, const ScheduleGeometry&
     if (tiles == 0) continue;
     int64_t blocks = 0;
     for (int32_t t = 0; t < tiles; ++t) blocks += schedule_key_blocks(len, t, g);
-    docs.push_back({schedule_key_blocks(len, tiles - 1, g), blocks * layout.heads_q});
-    total += docs.back().work;
+    docs.push_back({schedule_key_blocks(len, tiles - 1, g), blocks});
+    total += blocks * layout.heads_q;
   }
-  if (ctas <= 1 || docs.empty()) return true;
   // The list's document order; among equal longest tiles, the least work last (the worst case of
   // the builder's arbitrary order there).
   std::sort(docs.begin(), docs.end(), [](const DocumentWork& a, const DocumentWork& b) {
-    return a.longest != b.longest ? a.longest > b.longest : a.work > b.work;
+    return a.longest != b.longest ? a.longest > b.longest : a.head_work > b.head_work;
   });
-  int64_t later = total;
-  double overrun = 0;
-  for (const DocumentWork& d : docs) {
-    later -= d.work;
-    // The document's longest item starts first; the other CTAs have its other items and the later
-    // documents' to share meanwhile.
-    const double others = double(d.work - d.longest + later) / double(ctas - 1);
-    overrun = std::max(overrun, double(d.longest) - others);
-  }
-  return overrun <= std::max(kDocumentOrderSlack * double(total) / double(ctas), 1.0);
+  const double slack = std::max(kDocumentOrderSlack * double(total) / double(ctas), 1.0);
+  // How far a document's last group's longest item runs past the other CTAs, which share the rest
+  // of its group's items and the later documents' meanwhile.
+  const auto balanced = [&](int group) {
+    if (ctas <= 1) return true;
+    int64_t later = total;
+    for (const DocumentWork& d : docs) {
+      later -= d.head_work * layout.heads_q;
+      const double others = double(d.head_work * group - d.longest + later) / double(ctas - 1);
+      if (double(d.longest) - others > slack) return false;
+    }
+    return true;
+  };
+  for (int group = layout.group(); group <= layout.heads_q; group += layout.group())
+    if (layout.heads_q % group == 0 && balanced(group)) return group;
+  return 0;
 }
 
 size_t schedule_workspace_bytes(const PackedLayout& layout, const ScheduleGeometry& g) {
@@ -325,6 +338,10 @@ void build_schedule(const ScheduleArgs& a, cudaStream_t stream) {
   validate_geometry(a.geometry);
   if (a.num_docs < 0) fail("num_docs = " + std::to_string(a.num_docs) + " is negative");
   if (a.heads <= 0) fail("heads = " + std::to_string(a.heads) + " must be positive");
+  if (a.geometry.head_group < 0 ||
+      (a.geometry.head_group > 0 && a.heads % a.geometry.head_group != 0))
+    fail("head_group = " + std::to_string(a.geometry.head_group) +
+         " must be 0 or a positive divisor of heads = " + std::to_string(a.heads));
   if (a.num_items < 0 || a.num_items > INT_MAX)
     fail("num_items = " + std::to_string(a.num_items) +
          " is outside [0, INT_MAX] (the work counter is an int)");

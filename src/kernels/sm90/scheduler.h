@@ -8,10 +8,11 @@
 // warpgroups; 4096 tokens leave one warpgroup's rows for a partial tile). An item's cost is its
 // number of visible key blocks. build_schedule writes the items sorted by that cost, longest first
 // (LPT), so persistent CTAs that take items in order through an atomic counter finish close
-// together; or, with ScheduleGeometry::by_document, each document's items contiguous, its tiles
-// longest first, and the documents sorted by their longest tile, longest first. The `heads` items
-// of a query tile are adjacent and in head order (the heads of a GQA group then share K/V in L2);
-// the order of tiles (documents) of equal cost may differ from call to call.
+// together; or, with ScheduleGeometry::head_group, by document: documents sorted by their longest
+// tile, longest first, each document's items contiguous, in groups of head_group heads, each
+// group's tiles longest first. A tile's heads (of its group) are adjacent and in head order (the
+// heads of a GQA group then share K/V in L2); the order of tiles (documents) of equal cost may
+// differ from call to call.
 //
 // Plain C++: usable from .cc files; the inline helpers also compile as device code under nvcc.
 #pragma once
@@ -38,10 +39,11 @@ struct ScheduleGeometry {
   int block_m = 128, block_n = 128;
   bool causal = true;
   int row_unit = 0;  // 0: tiles start at the document's first row; else a divisor of block_m
-  // Items of a document contiguous (document_order_balanced says when): the CTAs running at one
-  // time then hold a few documents' tiles, which share those documents' K/V in L2, where
-  // longest-first items would each stream a different (document, head)'s.
-  bool by_document = false;
+  // 0: items longest first. Else by document, in groups of this many heads (a divisor of the
+  // heads; document_head_group picks it): the CTAs running at one time then hold the tiles of a
+  // few heads of a document or two, which share their K/V in L2, where longest-first items would
+  // each stream a different (document, head)'s.
+  int head_group = 0;
 };
 
 // Rows of query tile 0 before the document (0 without row_unit): block_m minus the document's
@@ -77,13 +79,15 @@ FLAMIA_HD int32_t schedule_key_blocks(int32_t doc_len, int32_t q_tile, const Sch
 int64_t count_work_items(const PackedLayout& layout, const ScheduleGeometry& g);
 // The largest key_blocks of any item (0 without items): ScheduleArgs::max_key_blocks.
 int max_key_blocks(const PackedLayout& layout, const ScheduleGeometry& g);
-// Whether the by_document order keeps the CTAs' finishing times even: the host's estimate, for
-// each document, of how long its longest item runs past the work queued after it on the other
-// ctas - 1 CTAs, at most kDocumentOrderSlack of a CTA's share of all the work (or one key block,
-// the granularity of either order). Documents whose longest item is long and whose items are few
-// (few heads) would otherwise end the list with one CTA running alone.
+// The head_group for a layout on `ctas` persistent CTAs: the fewest heads (a divisor of heads_q,
+// and a multiple of a GQA group's query heads) whose by-document order keeps the CTAs' finishing
+// times even, or 0 (longest first) if none does. Even: the host's estimate, for each document's
+// last group, of how long its longest item runs past the work queued after it on the other ctas -
+// 1 CTAs is at most kDocumentOrderSlack of a CTA's share of all the work (or one key block, the
+// granularity of any order). Long documents with few heads a group would otherwise end the list
+// with one CTA running alone.
 constexpr double kDocumentOrderSlack = 0.01;
-bool document_order_balanced(const PackedLayout& layout, const ScheduleGeometry& g, int ctas);
+int document_head_group(const PackedLayout& layout, const ScheduleGeometry& g, int ctas);
 // Device workspace build_schedule needs (bytes; 0 for all but very long documents, and then
 // ScheduleArgs::workspace may be null).
 size_t schedule_workspace_bytes(const PackedLayout& layout, const ScheduleGeometry& g);
