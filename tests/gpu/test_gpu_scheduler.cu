@@ -1,11 +1,11 @@
 // The forward attention's work list built on the GPU, against an independent host enumeration of
 // the (document, query tile, head) items: a permutation of them, correct key blocks, longest first
-// (or documents together, by their longest tile, each's tiles longest first), the heads of a tile
-// adjacent and in order, the counter reset; on one document, many equal ones,
-// hundreds of odd ones, tens of thousands, zero-length and one-token documents, a 1M-token
-// document (with buckets in shared memory and in the workspace), causal and not, two tile heights.
-// Outputs are poisoned first. Host tests cover the counts and the argument checks, the backward's
-// work list and its dQ slot layout.
+// with the heads of a tile adjacent and in order (or by document: documents by their longest tile,
+// each item at its place in its document's head groups), the counter reset; on one document, many
+// equal ones, hundreds of odd ones, tens of thousands, zero-length and one-token documents, a
+// 1M-token document (with buckets in shared memory and in the workspace), causal and not, two tile
+// heights. Outputs are poisoned first. Host tests cover the counts and the argument checks, the
+// backward's work list and its dQ slot layout.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -205,17 +205,32 @@ void check_schedule(const std::vector<int64_t>& lengths, int heads, const Schedu
   }
 }
 
-// Each geometry; by document with groups of every head, the smallest divisor above 1, and all.
+// The head group sizes to test with `heads` heads: 1, the smallest and the largest divisor
+// between, and all.
+std::vector<int> head_groups(int heads) {
+  std::vector<int> groups = {1};
+  for (int d = 2; d < heads; ++d)
+    if (heads % d == 0) {
+      groups.push_back(d);
+      break;
+    }
+  for (int d = heads - 1; d > groups.back(); --d)
+    if (heads % d == 0) {
+      groups.push_back(d);
+      break;
+    }
+  if (heads > 1) groups.push_back(heads);
+  return groups;
+}
+
+// Each geometry, the by-document ones in each of head_groups(heads).
 void check_all_geometries(const std::vector<int64_t>& lengths, int heads) {
   for (ScheduleGeometry g : forward_geometries()) {
     if (g.head_group != kAnyHeadGroup) {
       check_schedule(lengths, heads, g);
       continue;
     }
-    int divisor = heads;
-    for (int d = heads - 1; d > 1; --d)
-      if (heads % d == 0) divisor = d;
-    for (int group : {1, divisor, heads}) {
+    for (int group : head_groups(heads)) {
       g.head_group = group;
       check_schedule(lengths, heads, g);
     }
@@ -282,9 +297,46 @@ TEST(GpuScheduler, KeyBucketsInTheWorkspace) {
   const std::vector<int64_t> lengths = {300, kMillion, 0, 4097};
   const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
   for (bool causal : {true, false}) {
-    const ScheduleGeometry g{128, 64, causal};
-    ASSERT_GT(sm90::schedule_workspace_bytes(layout_of(cu, 1), g), 0u);
-    check_schedule(lengths, 1, g);
+    for (int head_group : {0, 1}) {
+      const ScheduleGeometry g{128, 64, causal, 0, head_group};
+      ASSERT_GT(sm90::schedule_workspace_bytes(layout_of(cu, 1), g), 0u);
+      check_schedule(lengths, 1, g);
+    }
+  }
+}
+
+// A device cu_seqlens unlike the host layout the arguments came from (here: documents longer than
+// counted) may leave the list incomplete but must not write past it.
+TEST(GpuScheduler, DeviceLayoutUnlikeTheHostsWritesNothingPastTheList) {
+  FLAMIA_REQUIRE_GPU();
+  constexpr int kHeads = 3;
+  constexpr size_t kGuard = 4096;  // items past the list, poisoned
+  const std::vector<int32_t> host_cu = cu_seqlens_from_lengths({300, 129, 40});
+  const std::vector<int32_t> device_cu = cu_seqlens_from_lengths({3000, 5000, 40});
+  const PackedLayout layout = layout_of(host_cu, kHeads);
+  for (int head_group : {0, 1, kHeads}) {
+    SCOPED_TRACE("head_group " + std::to_string(head_group));
+    const ScheduleGeometry g{128, 128, true, 0, head_group};
+    const int64_t num_items = sm90::count_work_items(layout, g);
+    const DeviceBuffer<int32_t> d_cu(device_cu);
+    DeviceBuffer<WorkItem> items(size_t(num_items) + kGuard);
+    DeviceBuffer<int> counter(1);
+    items.poison();
+    ScheduleArgs args;
+    args.cu_seqlens = d_cu.get();
+    args.num_docs = layout.num_docs;
+    args.heads = kHeads;
+    args.geometry = g;
+    args.num_items = num_items;
+    args.max_key_blocks = sm90::max_key_blocks(layout, g);
+    args.items = items.get();
+    args.counter = counter.get();
+    FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+    sm90::build_schedule(args, nullptr);
+    FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<WorkItem> got = items.download();
+    for (size_t i = size_t(num_items); i < got.size(); ++i)
+      ASSERT_EQ(got[i].doc, kPoisonWord) << "item " << i << " past the list was written";
   }
 }
 

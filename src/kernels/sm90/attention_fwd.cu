@@ -68,10 +68,6 @@ GpuAttention::GpuAttention(const PackedLayout& layout, const GpuAttentionOptions
   m.layout.cu_seqlens = m.cu_seqlens.data();
   m.options = options;
   m.geometry = sm90::fwd::schedule_geometry(options.attention.causal);
-  // Measured (docs/PERF.md, items 140 and 141): the forward's DRAM reads down to about its
-  // compulsory bytes on the bench's workloads (16x4096 1.54 -> 0.71 GB, 1x65536 6.09 -> 0.69),
-  // and the kernel 1-8 % faster at the power cap.
-  m.geometry.head_group = sm90::document_head_group(m.layout, m.geometry, multiprocessors());
   m.items = sm90::count_work_items(m.layout, m.geometry);
   if (m.items > INT32_MAX) reject("too many work items (" + std::to_string(m.items) + ")");
   m.max_key_blocks = sm90::max_key_blocks(m.layout, m.geometry);
@@ -82,6 +78,10 @@ GpuAttention::GpuAttention(const PackedLayout& layout, const GpuAttentionOptions
   m.workspace =
       cuda::DeviceBuffer(std::max<size_t>(sm90::schedule_workspace_bytes(m.layout, m.geometry), 1));
   m.ctas = int(std::min<int64_t>(m.items, multiprocessors()));
+  // Measured (docs/PERF.md, items 140 and 141): the forward's DRAM reads near its compulsory
+  // ~0.54 GB (16x4096 1.54 -> 0.71 GB, 1x65536 6.09 -> 0.69), and the kernel 1-8 % faster at the
+  // power cap.
+  m.geometry.head_group = sm90::document_head_group(m.layout, m.geometry, m.ctas);
 }
 
 GpuAttention::~GpuAttention() = default;

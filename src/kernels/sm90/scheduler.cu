@@ -14,8 +14,8 @@
 // Tiles are walked in chunks of kChunkDocs documents: a block scan gives the chunk's tile offsets
 // and each thread finds its tile's document by binary search in them, so a single 1M-token
 // document and tens of thousands of short ones both spread evenly over the threads. Lanes of a
-// warp whose tiles share a key combine their atomics (one per key per warp), which also keeps a
-// document's tiles of equal cost adjacent in the list.
+// warp whose tiles (documents) share a key combine their atomics (one per key per warp), which in
+// the longest-first order also keeps a document's tiles of equal cost adjacent in the list.
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
@@ -34,9 +34,10 @@ constexpr int kWarpThreads = 32;
 constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 constexpr int kChunkDocs = kThreads;  // one document a thread per chunk
 
-// A kernel gets 48 KiB of shared memory without opting in; the chunk's tile offsets and the scan
-// take about 8 KiB, the buckets get the rest. 9216 buckets cover a 1M-token document at
-// block_n 128 (8192 key blocks); longer documents or smaller key blocks count in the workspace.
+// A kernel gets 48 KiB of shared memory without opting in; the chunk's tile offsets, its
+// documents' first slots and the scan take about 8 KiB, the buckets get the rest. 9216 buckets
+// cover a 1M-token document at block_n 128 (8192 key blocks); longer documents or smaller key
+// blocks count in the workspace.
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
 constexpr int kSharedKeyBuckets = 9216;
 
@@ -77,8 +78,8 @@ size_t bucket_workspace_bytes(int max_key_blocks) {
 // of the chunk, with doc = -1 on threads without a tile in a round; chunk_doc indexes
 // SharedStorage::item_base. Every thread of the block makes the same calls, so both may use
 // warp-collective intrinsics on the full mask, and what at_document writes to shared memory is
-// visible to every visit.
-template <typename AtDocument, typename Visit>
+// visible to every visit. Without kVisitTiles only at_document is called.
+template <bool kVisitTiles, typename AtDocument, typename Visit>
 __device__ __forceinline__ void for_each_tile(const Params& p, SharedStorage& s,
                                               AtDocument&& at_document, Visit&& visit) {
   const int tid = int(threadIdx.x);
@@ -87,6 +88,7 @@ __device__ __forceinline__ void for_each_tile(const Params& p, SharedStorage& s,
     const int32_t length = doc < p.num_docs ? p.cu_seqlens[doc + 1] - p.cu_seqlens[doc] : 0;
     const int tiles = schedule_query_tiles(length, p.geometry.block_m);
     at_document(doc < p.num_docs ? int(doc) : -1, length, tiles);
+    if constexpr (!kVisitTiles) continue;
     int offset = 0, chunk_tiles = 0;
     BlockScan(s.scan).ExclusiveSum(tiles, offset, chunk_tiles);
     s.tile_offset[tid] = offset;
@@ -122,8 +124,8 @@ __device__ __forceinline__ void for_each_tile(const Params& p, SharedStorage& s,
 
 // Lanes of a warp whose `bucket` is equal (peers) share one atomic: each lane's `count` summed over
 // its peers in lower lanes (`below`) and over all its peers (`total`). Called by the full warp.
-__device__ __forceinline__ void peer_sums(unsigned peers, int count, int lane, int& below,
-                                          int& total) {
+__device__ __forceinline__ void peer_sums(unsigned peers, int count, int lane, int64_t& below,
+                                          int64_t& total) {
   below = 0;
   total = 0;
   for (int l = 0; l < kWarpThreads; ++l) {
@@ -157,10 +159,15 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
   const int head_group = p.geometry.head_group;
   const bool by_document = head_group > 0;
   // By document: a document's bucket is its longest (last) tile's key, and its items take
-  // consecutive slots, counted or claimed by one atomic per bucket per warp.
+  // consecutive slots, counted or claimed by one atomic per bucket per warp. Sums that pass
+  // num_items (only from a device cu_seqlens unlike the host layout) are cut to INT_MAX, so the
+  // slots past it are dropped and no int overflows.
   auto document_bucket = [&](int doc, int32_t length, int tiles) {
-    return tiles > 0 ? bucket_of(doc, schedule_key_blocks(length, tiles - 1, p.geometry)) : -1;
+    if (tiles <= 0 || int64_t(tiles) * p.heads > p.num_items) return -1;
+    return bucket_of(doc, schedule_key_blocks(length, tiles - 1, p.geometry));
   };
+  auto document_items = [&](int bucket, int tiles) { return bucket >= 0 ? tiles * p.heads : 0; };
+  auto clamp_int = [](int64_t x) { return int(x < INT_MAX ? x : INT_MAX); };
   auto no_document = [](int, int32_t, int) {};
   auto no_tile = [](int, int, int, int) {};
 
@@ -174,14 +181,14 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
   auto count_document = [&](int doc, int32_t length, int tiles) {
     const int bucket = document_bucket(doc, length, tiles);
     const unsigned peers = __match_any_sync(kFullWarp, bucket);
-    int below, total;
-    peer_sums(peers, tiles * p.heads, lane, below, total);
-    if (bucket >= 0 && lane == __ffs(peers) - 1) atomicAdd(&buckets[bucket], total);
+    int64_t below, total;
+    peer_sums(peers, document_items(bucket, tiles), lane, below, total);
+    if (bucket >= 0 && lane == __ffs(peers) - 1) atomicAdd(&buckets[bucket], clamp_int(total));
   };
   if (by_document) {
-    for_each_tile(p, s, count_document, no_tile);
+    for_each_tile<false>(p, s, count_document, no_tile);
   } else {
-    for_each_tile(p, s, no_document, count_tile);
+    for_each_tile<true>(p, s, no_document, count_tile);
   }
   __syncthreads();
 
@@ -228,12 +235,13 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
     const int bucket = document_bucket(doc, length, tiles);
     const unsigned peers = __match_any_sync(kFullWarp, bucket);
     const int leader = __ffs(peers) - 1;
-    int below, total;
-    peer_sums(peers, tiles * p.heads, lane, below, total);
+    int64_t below, total;
+    peer_sums(peers, document_items(bucket, tiles), lane, below, total);
     int base = 0;
-    if (bucket >= 0 && lane == leader) base = atomicAdd(&buckets[bucket], total);
+    if (bucket >= 0 && lane == leader) base = atomicAdd(&buckets[bucket], clamp_int(total));
     base = __shfl_sync(kFullWarp, base, leader);
-    s.item_base[threadIdx.x] = bucket >= 0 ? base + below : -1;
+    const int64_t first = int64_t(base) + below;
+    s.item_base[threadIdx.x] = bucket >= 0 && base >= 0 && first < INT_MAX ? int(first) : -1;
   };
   // A document's head groups in order, each group's tiles longest (last) first, a tile's heads of
   // the group adjacent.
@@ -248,9 +256,9 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
                  doc, q_tile, key);
   };
   if (by_document) {
-    for_each_tile(p, s, place_document, place_document_tile);
+    for_each_tile<true>(p, s, place_document, place_document_tile);
   } else {
-    for_each_tile(p, s, no_document, place_tile);
+    for_each_tile<true>(p, s, no_document, place_tile);
   }
 }
 

@@ -79,13 +79,14 @@ FLAMIA_HD int32_t schedule_key_blocks(int32_t doc_len, int32_t q_tile, const Sch
 int64_t count_work_items(const PackedLayout& layout, const ScheduleGeometry& g);
 // The largest key_blocks of any item (0 without items): ScheduleArgs::max_key_blocks.
 int max_key_blocks(const PackedLayout& layout, const ScheduleGeometry& g);
-// The head_group for a layout on `ctas` persistent CTAs: the fewest heads (a divisor of heads_q,
-// and a multiple of a GQA group's query heads) whose by-document order keeps the CTAs' finishing
-// times even, or 0 (longest first) if none does. Even: the host's estimate, for each document's
-// last group, of how long its longest item runs past the work queued after it on the other ctas -
-// 1 CTAs is at most kDocumentOrderSlack of a CTA's share of all the work (or one key block, the
-// granularity of any order). Long documents with few heads a group would otherwise end the list
-// with one CTA running alone.
+// The head_group for a layout on `ctas` persistent CTAs (at most the items): the fewest heads (a
+// divisor of heads_q, and a multiple of a GQA group's query heads) whose by-document order keeps
+// the CTAs' finishing times even, or 0 (longest first) if none does. A heuristic estimate: for
+// each document's last group, how long its longest item, which starts the group, runs past the
+// work queued after it on the other ctas - 1 CTAs (work already running on them is ignored), at
+// most kDocumentOrderSlack of a CTA's share of all the work (or one key block, the granularity of
+// any order). Long documents with few heads a group would otherwise end the list with one CTA
+// running alone.
 constexpr double kDocumentOrderSlack = 0.01;
 int document_head_group(const PackedLayout& layout, const ScheduleGeometry& g, int ctas);
 // Device workspace build_schedule needs (bytes; 0 for all but very long documents, and then
