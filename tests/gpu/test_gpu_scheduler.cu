@@ -490,6 +490,11 @@ TEST(ScheduleOrder, FewestHeadsAGroupThatKeepTheCtasTogether) {
   // document's other 42 items left (1,344 blocks, 10.3 a CTA): it ends ~54 blocks after the rest,
   // where the slack is one block.
   EXPECT_EQ(group(std::vector<int64_t>(8, 8192), 1, 1), 0);
+  // ... which one CTA (any order) does not mind.
+  {
+    const std::vector<int32_t> cu = cu_seqlens_from_lengths(std::vector<int64_t>(8, 8192));
+    EXPECT_EQ(sm90::document_head_group(layout_of(cu, 1), g, 1), 1);
+  }
   // A long document sorts before many short ones.
   std::vector<int64_t> mixed(64, 256);
   mixed.push_back(16384);

@@ -300,6 +300,7 @@ int max_key_blocks(const PackedLayout& layout, const ScheduleGeometry& g) {
 
 int document_head_group(const PackedLayout& layout, const ScheduleGeometry& g, int ctas) {
   validate_geometry(g);
+  if (ctas <= 1) return layout.group();  // one CTA (or none) finishes with the list in any order
   struct DocumentWork {
     int64_t longest;    // key blocks of its longest (last) tile
     int64_t head_work;  // key blocks of one head's items
@@ -324,7 +325,6 @@ int document_head_group(const PackedLayout& layout, const ScheduleGeometry& g, i
   // How far a document's last group's longest item runs past the other CTAs, which share the rest
   // of its group's items and the later documents' meanwhile.
   const auto balanced = [&](int group) {
-    if (ctas <= 1) return true;
     int64_t later = total;
     for (const DocumentWork& d : docs) {
       later -= d.head_work * layout.heads_q;
