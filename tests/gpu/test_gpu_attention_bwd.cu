@@ -328,6 +328,44 @@ TEST(GpuAttentionBwdBuffers, DeterministicDqIsReproducibleAndPrefixIsolated) {
   }
 }
 
+// The statistics build (GpuAttentionOptions::diagnostics: `flamia accuracy`'s counters) is its own
+// instantiation of the main kernel, and the fast kernels carry none of its code: with ordered dQ
+// additions both give the same dQ, dK and dV bit for bit, so the statistics describe the gradients
+// the fast path returns. Odd documents at unaligned offsets, GQA, both recipes, causal or not,
+// rotated or not.
+TEST(GpuAttentionBwdBuffers, FastKernelsMatchTheStatisticsBuildBitwise) {
+  FLAMIA_REQUIRE_GPU();
+  std::vector<BwdCase> cases = {
+      BwdCase{"mxfp8", kOddDocs, 4, 2},
+      BwdCase{"mxfp8-noncausal", kOddDocs, 4, 4, false},
+      BwdCase{"qk16", kOddDocs, 4, 2, true, Recipe::kMxfp8Qk16},
+  };
+  cases.push_back(cases[0]);
+  cases.back().name = "mxfp8-rotated";
+  cases.back().hadamard = true;
+  for (BwdCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    c.deterministic = true;
+    const AttentionBatch b = make_batch(c);
+    GpuAttentionOptions fast = gpu_options(c), statistics = gpu_options(c);
+    statistics.diagnostics = true;
+    const AttentionOutputs<float> x = training_gpu_to_host(b, fast);
+    const AttentionOutputs<float> y = training_gpu_to_host(b, statistics);
+    struct Pair {
+      const char* name;
+      const std::vector<float>& a;
+      const std::vector<float>& b;
+    };
+    for (const Pair& g : {Pair{"dQ", x.dq, y.dq}, Pair{"dK", x.dk, y.dk}, Pair{"dV", x.dv, y.dv}}) {
+      ASSERT_EQ(g.a.size(), g.b.size()) << g.name;
+      int64_t differ = 0;
+      for (size_t i = 0; i < g.a.size(); ++i)
+        differ += std::memcmp(&g.a[i], &g.b[i], sizeof(float)) != 0;
+      EXPECT_EQ(differ, 0) << g.name << ": elements differing between the builds";
+    }
+  }
+}
+
 // The rotation back of dK's FP32 rows (launch_rotate_dk; the dQ postprocess rotates its rows with
 // the same code) gives hadamard_rotate's bits, then BF16's: rows of a wide dynamic range, outputs
 // with gaps (poisoned) for both store widths. The attention tests above bound the rotated
