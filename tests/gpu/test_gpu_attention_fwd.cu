@@ -616,6 +616,45 @@ INSTANTIATE_TEST_SUITE_P(Recipes, GpuAttentionFwdOutputs, ::testing::Values(kMx,
                            return info.param == kMx ? "mxfp8" : "mxfp8_qk16";
                          });
 
+// One head: O's head stride is free (0 here, as a [T][D] view may have it), and mxfp8's TMA stores
+// of O (whole warps' rows and single rows where a document ends) give the dense run's bits.
+TEST(GpuAttentionFwd, SingleHeadOWithZeroHeadStride) {
+  FLAMIA_REQUIRE_GPU();
+  FwdCase c;
+  c.docs = kOddDocs;
+  c.heads_q = c.heads_kv = 1;
+  c.seed = 37;
+  const AttentionBatch batch = make_batch(c);
+  const PackedLayout layout = batch.layout();
+  const AttentionOutputs<float> dense = forward_gpu_to_host(batch, gpu_options(c));
+  const DeviceInputs in = upload(batch, 0, 0);
+  const int64_t stride_token = kDim + kPadHead;
+  DeviceBuffer o = DeviceBuffer::upload(
+      std::vector<uint16_t>(size_t((layout.tokens + kExtraTokens) * stride_token), kPoisonO));
+  DeviceBuffer lse = DeviceBuffer::upload(std::vector<float>(size_t(layout.tokens), 0.0f));
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+  DeviceAttentionOutputs out;
+  out.o = {o.get<uint16_t>(), stride_token, /*stride_head=*/0};
+  out.lse = lse.get<float>();
+  GpuAttention attention(layout, gpu_options(c));
+  attention.forward(in.in, out, nullptr);
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> got = o.download<uint16_t>();
+  const std::vector<uint16_t> want = bits_of(dense.o);
+  int64_t wrong = 0, touched = 0;
+  for (int64_t t = 0; t < layout.tokens + kExtraTokens; ++t)
+    for (int64_t e = 0; e < stride_token; ++e) {
+      const uint16_t bits = got[size_t(t * stride_token + e)];
+      if (t < layout.tokens && e < kDim)
+        wrong += bits != want[size_t(t * kDim + e)];
+      else
+        touched += bits != kPoisonO;
+    }
+  EXPECT_EQ(wrong, 0) << "O elements differing from the dense run";
+  EXPECT_EQ(touched, 0) << "O elements written outside [T][D]";
+  EXPECT_TRUE(same_bits(lse.download<float>(), dense.lse)) << "LSE differs from the dense run";
+}
+
 // A NaN and an Inf in one document: the quantizer reports them and zeroes them, so every output
 // stays finite and the other documents are bitwise unchanged; forward_gpu_to_host throws, naming
 // the tensor and the position.

@@ -150,6 +150,11 @@ void GpuAttention::Impl::forward(const DeviceAttentionInputs& in,
   p.o_stride_token = out.o.stride_token;
   p.o_stride_head = out.o.stride_head;
   p.wide_stores = bf16_stores_of(out.o, sm90::kWideStoreElems);
+  p.staged_o = !qk16 && p.wide_stores;
+  if (p.staged_o) {
+    p.map_o = o_map(out.o, pl.tokens, pl.heads_q, sm90::fwd::kOBoxRows);
+    p.map_o_row = o_map(out.o, pl.tokens, pl.heads_q, 1);
+  }
   p.lse = out.lse;
   p.tokens = pl.tokens;
   p.group = pl.group();

@@ -92,6 +92,20 @@ inline CUtensorMap bf16_map(const TokenTensor<const uint16_t>& v, int64_t tokens
       {kSpanElems, 1, uint32_t(rows)}, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
+// BF16 O (strided view, 16-byte aligned with strides of whole 16-byte groups: bf16_stores_of) as
+// the forward's epilogue stores it: boxes of one 128-byte swizzle span by `rows` tokens. An axis of
+// extent 1 takes a row's stride (its coordinate is always 0, and TMA wants a positive one).
+inline CUtensorMap o_map(const TokenTensor<uint16_t>& v, int64_t tokens, int heads, uint32_t rows) {
+  const auto stride_bytes = [](int64_t stride, int64_t extent) {
+    return uint64_t(extent > 1 ? stride : kHeadDim) * sizeof(uint16_t);
+  };
+  return sm90::make_tensor_map_3d(
+      v.data, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+      {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},
+      {stride_bytes(v.stride_head, heads), stride_bytes(v.stride_token, tokens)},
+      {sm90::fwd::kOBoxCols, 1, rows}, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
 // codes_t [H * D][Tt]: boxes of `positions` (64 or 128 bytes, the matching swizzle) by D rows.
 inline CUtensorMap codes_t_map(const uint8_t* codes_t, const QuantLayout& l, int positions) {
   const CUtensorMapSwizzle swizzle = positions == int(sm90::wgmma::kSw64RowBytes)

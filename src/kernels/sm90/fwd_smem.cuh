@@ -3,6 +3,7 @@
 // 128B-swizzled and K-major, as TMA writes it and wgmma reads it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "fwd_scales.cuh"
@@ -27,11 +28,14 @@ struct SmemLayout : ScoreSpans<kScore> {
                 "descriptor bases stay 1024 B aligned");
 };
 
-// O's staging rows: BF16 head-dim rows padded by one 16-byte bank group, so that the 8 rows of
-// one stmatrix matrix (272 B apart) start in 8 different bank groups. mxfp8's shared memory has
-// the 52 KB; mxfp8-qk16's BF16 Q and K tiles leave no room, and it stores O from registers.
-constexpr uint32_t kOStagePadBytes = 16;
-constexpr uint32_t kOStageRowBytes = kHeadDim * sizeof(uint16_t) + kOStagePadBytes;
+// O's staging: each consumer warp's 16 rows as two boxes of 64 BF16 columns, 128 B rows
+// 128B-swizzled as the TMA store reads them (epilogue_fwd.cuh), so that the 8 rows of one stmatrix
+// matrix land in 8 different bank groups. mxfp8's shared memory has the 48 KB; mxfp8-qk16's BF16 Q
+// and K tiles leave no room, and it stores O from registers.
+constexpr int kOBoxes = kHeadDim / int(kOBoxCols);
+constexpr uint32_t kOBoxBytes = kOBoxRows * wgmma::kSw128RowBytes;
+constexpr uint32_t kOStageWarpBytes = kOBoxes * kOBoxBytes;
+static_assert(kOBoxBytes % wgmma::kSw128AtomBytes == 0, "each box starts on a swizzle atom");
 template <ScoreOperand kScore>
 constexpr bool kOStaged = kScore == ScoreOperand::kE4m3;
 
@@ -48,8 +52,10 @@ struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   uint8_t q[kQStages][L::kQBytes];
   uint8_t k[kStages][L::kKBytes];
   uint8_t vt[kStages][L::kVtBytes];
-  // The item's O rows on their way out (epilogue_fwd.cuh), where there is room: E4M3 Q and K.
-  uint8_t o_stage[kOStaged<kScore> ? kBlockM : 1][kOStageRowBytes];
+  // The item's O rows on their way out (epilogue_fwd.cuh), where there is room: E4M3 Q and K. The
+  // arrays before it are whole swizzle atoms, so each box is atom-aligned, as the swizzle needs.
+  uint8_t o_stage[kOStaged<kScore> ? kBlockM / kOBoxRows : 1]
+                 [kOStaged<kScore> ? kOStageWarpBytes : sizeof(uint4)];  // qk16: a placeholder
   KeyScales kscale[kStages];
   ValueScales vscale[kStages];
   QueryFactors q_factor[kQStages];  // E4M3 Q only
@@ -58,5 +64,7 @@ struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   Pipeline<kQStages> q_pipe;
   Pipeline<kStages> k_pipe, v_pipe;
 };
+static_assert(offsetof(SharedStorage<ScoreOperand::kE4m3>, o_stage) % wgmma::kSw128AtomBytes == 0,
+              "O's boxes start on swizzle atoms");
 
 }  // namespace flamia::sm90::fwd

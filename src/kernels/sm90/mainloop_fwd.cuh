@@ -267,7 +267,8 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
     {
       int row[kRows];
       thread_rows(warpgroup, t, row);
-      store_outputs(p, o, st, rows, row, item.head, quad, kOStaged<kScore> ? sm.o_stage : nullptr);
+      store_outputs(p, o, st, rows, row, item.head, quad,
+                    kOStaged<kScore> ? &sm.o_stage[0][0] : nullptr);
     }
     q_state.advance();
   }
