@@ -857,10 +857,11 @@ int bench_attention(int argc, char** argv, int first) {
   FLAMIA_CUDA_CHECK(cudaStreamDestroy(stream));
 
   Table summary = summary_table(results, opt), stages = stage_table(results, opt);
-  const std::string header =
-      dev.name + ", cuDNN " + bench::cudnn_version() + ", " + std::to_string(opt.reps) +
-      " reps after " + std::to_string(opt.warmup) + " warm-ups and at least " +
-      std::to_string(int(opt.warmup_ms)) + " ms of them, seed " + std::to_string(seed);
+  const std::string header = dev.name + " " + dev.uuid + ", cuDNN " + bench::cudnn_version() +
+                             ", " + std::to_string(opt.reps) + " reps after " +
+                             std::to_string(opt.warmup) + " warm-ups and at least " +
+                             std::to_string(int(opt.warmup_ms)) + " ms of them, seed " +
+                             std::to_string(seed);
   summary.notes.insert(summary.notes.begin(), header);
   if (!args.str("csv").empty()) {
     std::ofstream f(args.str("csv"));
