@@ -150,10 +150,9 @@ void GpuAttention::Impl::forward(const DeviceAttentionInputs& in,
   p.o_stride_token = out.o.stride_token;
   p.o_stride_head = out.o.stride_head;
   p.wide_stores = bf16_stores_of(out.o, sm90::kWideStoreElems);
-  p.staged_o = !qk16 && p.wide_stores;
-  if (p.staged_o) {
-    p.map_o = o_map(out.o, pl.tokens, pl.heads_q, sm90::fwd::kOBoxRows);
-    p.map_o_row = o_map(out.o, pl.tokens, pl.heads_q, 1);
+  if (!qk16 && p.wide_stores) {  // mxfp8's epilogue stages O and stores it by TMA
+    p.map_o = bf16_map(out.o, pl.tokens, pl.heads_q, sm90::fwd::kOBoxRows);
+    p.map_o_row = bf16_map(out.o, pl.tokens, pl.heads_q, 1);
   }
   p.lse = out.lse;
   p.tokens = pl.tokens;

@@ -81,21 +81,14 @@ inline CUtensorMap codes_map(const uint8_t* codes, int64_t tokens, int heads, in
       CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
-// BF16 inputs (strided view): boxes of one 128-byte swizzle span by `rows` tokens.
-inline CUtensorMap bf16_map(const TokenTensor<const uint16_t>& v, int64_t tokens, int heads,
-                            int rows) {
+// A strided BF16 view [T][H][D] (Q and K read by mxfp8-qk16, O written by mxfp8's epilogue; 16-byte
+// aligned, strides of whole 16-byte groups) in boxes of one 128-byte swizzle span by `rows`
+// tokens. An axis of extent 1 takes a row's stride: its coordinate is always 0, and TMA wants a
+// positive stride where the view may have 0.
+template <typename T>
+inline CUtensorMap bf16_map(const TokenTensor<T>& v, int64_t tokens, int heads, uint32_t rows) {
   constexpr uint32_t kSpanElems = sm90::fwd::ScoreSpans<sm90::fwd::ScoreOperand::kBf16>::kSpanElems;
-  return sm90::make_tensor_map_3d(
-      v.data, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-      {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},
-      {uint64_t(v.stride_head) * sizeof(uint16_t), uint64_t(v.stride_token) * sizeof(uint16_t)},
-      {kSpanElems, 1, uint32_t(rows)}, CU_TENSOR_MAP_SWIZZLE_128B);
-}
-
-// BF16 O (strided view, 16-byte aligned with strides of whole 16-byte groups: bf16_stores_of) as
-// the forward's epilogue stores it: boxes of one 128-byte swizzle span by `rows` tokens. An axis of
-// extent 1 takes a row's stride (its coordinate is always 0, and TMA wants a positive one).
-inline CUtensorMap o_map(const TokenTensor<uint16_t>& v, int64_t tokens, int heads, uint32_t rows) {
+  static_assert(kSpanElems == sm90::fwd::kOBoxCols, "O's boxes are one span wide");
   const auto stride_bytes = [](int64_t stride, int64_t extent) {
     return uint64_t(extent > 1 ? stride : kHeadDim) * sizeof(uint16_t);
   };
@@ -103,7 +96,7 @@ inline CUtensorMap o_map(const TokenTensor<uint16_t>& v, int64_t tokens, int hea
       v.data, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
       {uint64_t(kHeadDim), uint64_t(heads), uint64_t(tokens)},
       {stride_bytes(v.stride_head, heads), stride_bytes(v.stride_token, tokens)},
-      {sm90::fwd::kOBoxCols, 1, rows}, CU_TENSOR_MAP_SWIZZLE_128B);
+      {kSpanElems, 1, rows}, CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 // codes_t [H * D][Tt]: boxes of `positions` (64 or 128 bytes, the matching swizzle) by D rows.

@@ -28,11 +28,8 @@ DeviceInfo query_device() {
   info.sm_major = prop.major;
   info.sm_minor = prop.minor;
   info.multiprocessors = prop.multiProcessorCount;
-  unsigned char uuid[sizeof(prop.uuid.bytes)];
-  static_assert(sizeof(uuid) == 16, "a CUDA UUID is 16 bytes");
-  for (size_t i = 0; i < sizeof(uuid); ++i)
-    uuid[i] = static_cast<unsigned char>(prop.uuid.bytes[i]);
-  info.uuid = gpu_uuid_string(uuid);
+  static_assert(sizeof(prop.uuid.bytes) == 16, "a CUDA UUID is 16 bytes");
+  info.uuid = gpu_uuid_string(reinterpret_cast<const unsigned char(&)[16]>(prop.uuid.bytes));
   if (prop.major != 9 || prop.minor != 0) {
     info.reason = std::string(prop.name) + " is sm_" + std::to_string(prop.major) +
                   std::to_string(prop.minor) + "; flamia's kernels are built for sm_90a (Hopper)";

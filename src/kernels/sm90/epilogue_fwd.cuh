@@ -126,7 +126,8 @@ __device__ __forceinline__ void store_o_registers(const Params& p, const float (
   }
 }
 
-// `o_stage`: SharedStorage::o_stage (mxfp8), else null; used where Params::staged_o.
+// `o_stage`: SharedStorage::o_stage (mxfp8: map_o is set where the view takes wide stores), else
+// null.
 __device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[kAccRegs],
                                               RowState& st, const ItemRows& item,
                                               const int (&row)[kRows], int head, int quad,
@@ -138,7 +139,7 @@ __device__ __forceinline__ void store_outputs(const Params& p, const float (&o)[
     st.l[r] = quad_sum(st.l[r]);
     scale[r] = __fdiv_rn(exp2i(st.ref[r]), st.l[r]);
   }
-  if (o_stage != nullptr && p.staged_o) {
+  if (o_stage != nullptr && p.wide_stores) {
     // row[0] is the warp's first row plus lane / 4 (wgmma::acc_row).
     const int warp_row0 = row[0] - int(lane_index()) / 4;
     store_o_staged(p, o, scale, item, warp_row0, head,

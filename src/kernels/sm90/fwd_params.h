@@ -71,7 +71,7 @@ struct Params {
   CUtensorMap map_k_tiles;   // K's codes_tiles, the same shape (mxfp8): the fully visible tiles
   CUtensorMap map_vt;        // V's codes_t: [Hkv * D][Tt] (flamia/quantize.h)
   CUtensorMap map_vt_tiles;  // V's codes_t_tiles, the same shape: the fully visible key tiles
-  CUtensorMap map_o;         // O [T][Hq][D] in boxes of one warp's rows (staged_o only)
+  CUtensorMap map_o;         // O [T][Hq][D] in boxes of one warp's rows (mxfp8, wide_stores)
   CUtensorMap map_o_row;     // the same in boxes of one row: a warp's rows the document ends in
   const WorkItem* items = nullptr;
   int num_items = 0;
@@ -84,7 +84,6 @@ struct Params {
   uint16_t* o = nullptr;                 // BF16 bits, element strides below
   int64_t o_stride_token = 0, o_stride_head = 0;
   bool wide_stores = false;  // O takes 16-byte stores (bf16_rows.cuh)
-  bool staged_o = false;     // map_o is set: mxfp8 warps store O by TMA (epilogue_fwd.cuh)
   float* lse = nullptr;      // [Hq][T]
   int64_t tokens = 0;
   int group = 1;            // query heads per key/value head
