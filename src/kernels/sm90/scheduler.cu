@@ -247,8 +247,8 @@ __global__ void __launch_bounds__(kThreads, 1) build_schedule_kernel(const Param
   // the group adjacent.
   auto place_document_tile = [&](int doc, int chunk_doc, int q_tile, int key) {
     if (doc < 0 || s.item_base[chunk_doc] < 0) return;
-    const int tiles =
-        schedule_query_tiles(p.cu_seqlens[doc + 1] - p.cu_seqlens[doc], p.geometry.block_m);
+    // The chunk's tile offsets hold the document's tile count (the last one's: the chunk total).
+    const int tiles = s.tile_offset[chunk_doc + 1] - s.tile_offset[chunk_doc];
     const int64_t group_items = int64_t(head_group) * tiles;
     const int64_t in_group = int64_t(tiles - 1 - q_tile) * head_group;
     for (int h0 = 0; h0 < p.heads; h0 += head_group)
