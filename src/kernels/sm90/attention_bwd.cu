@@ -148,6 +148,8 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     b->delta = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
     b->dq_slots = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
     const size_t slots = size_t(b->dq_slots) * pl.heads_q;
+    // The kernel indexes the slots with 32 bits (StepItem::dq_slot0).
+    if (slots > size_t(INT32_MAX)) reject("too many dQ accumulator slots (heads x query tiles)");
     b->dq_accum = cuda::DeviceBuffer(slots * sm90::bwd::kDqSlotFloats * sizeof(float));
     b->dq_zeroed = cuda::DeviceBuffer(sizeof(int));
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(b->dq_zeroed.get(), 0, sizeof(int), stream));

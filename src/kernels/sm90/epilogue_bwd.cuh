@@ -19,6 +19,10 @@ struct StepItem {
   int head;
   int doc;
   int key_block;
+  // The dQ accumulator slot of (head, the document's first query tile): a query tile's is this
+  // plus the tile, so the step loop holds one 32-bit index (the accumulator's slot count fits,
+  // Params::dq_slots) instead of the document's begin and index for a 64-bit division a step.
+  int dq_slot0;
 };
 
 __device__ __forceinline__ int load_acquire(const int* p) {
@@ -86,8 +90,7 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   for (int r = 0; r < kKeyRows; ++r)
     unit[r] = exp2i(scale_exponent_up_e4m3_of_field(uint32_t(row_max[wgmma::acc_row(t, 2 * r)]))) *
               q_inverse[r];
-  const int64_t slot_index =
-      int64_t(item.head) * p.dq_slots + dq_tile_slot(item.begin, item.doc, q_tile);
+  const int64_t slot_index = int64_t(item.dq_slot0) + q_tile;
   float* half = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;
   const bool ordered =
       kDq == DqAddition::kByParams ? p.dq_turns != nullptr : kDq == DqAddition::kOrdered;

@@ -334,7 +334,14 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       }
     }
     for (int hh = 0; hh < p.group; ++hh) {
-      const StepItem si{begin, length, n0, item.kv_head * p.group + hh, item.doc, item.key_block};
+      const int head = item.kv_head * p.group + hh;
+      const StepItem si{begin,
+                        length,
+                        n0,
+                        head,
+                        item.doc,
+                        item.key_block,
+                        int(int64_t(head) * p.dq_slots + dq_tile_slot(begin, item.doc, 0))};
       // Token codes up to m_whole, then the tile codes, exchanged into the one buffer the score
       // products read (a per-step choice of buffer took their descriptors out of uniform
       // registers: ~100 more instructions a step) and back for the next query head.
