@@ -19,9 +19,10 @@ struct StepItem {
   int head;
   int doc;
   int key_block;
-  // The dQ accumulator slot of (head, the document's first query tile): a query tile's is this
-  // plus the tile, so the step loop holds one 32-bit index (the accumulator's slot count fits,
-  // Params::dq_slots) instead of the document's begin and index for a 64-bit division a step.
+  // The dQ accumulator slot of (head, the document's first query tile); a query tile's is this
+  // plus the tile. The step loop holds this one 32-bit index instead of a 64-bit base derived
+  // from the document's begin (a spill fewer, docs/PERF.md item 164); the host refuses more
+  // than INT32_MAX slots.
   int dq_slot0;
 };
 
