@@ -17,7 +17,6 @@ struct StepItem {
   int length;
   int n0;  // the key block's first key
   int head;
-  int doc;
   int key_block;
   // The dQ accumulator slot of (head, the document's first query tile); a query tile's is this
   // plus the tile. The step loop holds this one 32-bit index instead of a 64-bit base derived

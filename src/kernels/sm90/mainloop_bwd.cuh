@@ -333,15 +333,11 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
         m_whole = tiles;
       }
     }
+    const int64_t doc_slot0 = dq_tile_slot(begin, item.doc, 0);  // its first tile, head 0
     for (int hh = 0; hh < p.group; ++hh) {
       const int head = item.kv_head * p.group + hh;
-      const StepItem si{begin,
-                        length,
-                        n0,
-                        head,
-                        item.doc,
-                        item.key_block,
-                        int(int64_t(head) * p.dq_slots + dq_tile_slot(begin, item.doc, 0))};
+      const StepItem si{begin, length,         n0,
+                        head,  item.key_block, int(int64_t(head) * p.dq_slots + doc_slot0)};
       // Token codes up to m_whole, then the tile codes, exchanged into the one buffer the score
       // products read (a per-step choice of buffer took their descriptors out of uniform
       // registers: ~100 more instructions a step) and back for the next query head.
