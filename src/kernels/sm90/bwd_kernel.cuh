@@ -113,10 +113,11 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
         const StepGeometry g{begin, length, m * kBlockM, n0, head};
         const RowLoads in = load_query_rows(p, g, lane);
         sm.q_pipe.producer_acquire(q_state);
-        stage_query_rows<kScore, kCausal>(sm.rows[q_state.index], p, g, in, lane);
+        // The tiles' copies first, in flight while the lanes stage the rows; every lane, the
+        // elected one too, arrives after its row stores (docs/PERF.md, item 167).
         uint64_t* full = sm.q_pipe.full_barrier(q_state);
         if (elected) {
-          sm.q_pipe.producer_commit(q_state, L::kQStageBytes);
+          mbarrier_expect_tx(full, L::kQStageBytes);
           const int32_t token = int32_t(begin + g.m0);
           const int32_t position = int32_t(t_begin + g.m0);
 #pragma unroll
@@ -126,9 +127,9 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
           tma_load_3d(sm.dout[q_state.index], &p.map_dout, 0, head, token, full);
           tma_load_2d(sm.qt[q_state.index], &p.map_qt, position, head * kHeadDim, full);
           tma_load_2d(sm.doutt[q_state.index], &p.map_doutt, position, head * kHeadDim, full);
-        } else {
-          mbarrier_arrive(full);
         }
+        stage_query_rows<kScore, kCausal>(sm.rows[q_state.index], p, g, in, lane);
+        mbarrier_arrive(full);
         q_state.advance();
       }
     }
