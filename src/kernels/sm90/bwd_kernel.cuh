@@ -26,7 +26,8 @@ static_assert(kConsumerWarpgroups * wgmma::kM == kBlockN, "each consumer owns 64
 // Registers: a consumer holds dK and dV (two halves each), dS of the step, one fresh product tile
 // and the packed operands (S^T and dP^T are live together only before the packing). The producer
 // stages the per-row vectors from registers too: at 24 it spilled about 50 local accesses per step
-// (ptxas -v), at 40 (consumers 232) the kernel spills 52 B, none of it in either loop.
+// (ptxas -v); at 40 (consumers 232) the mxfp8 kernels spill 44-56 B, none in the producer's step
+// loop and one reload in the consumers' (at 48 the consumers' loop spills more).
 constexpr uint32_t kProducerRegs = 40;
 constexpr uint32_t kConsumerRegs =
     consumer_register_budget(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups);
