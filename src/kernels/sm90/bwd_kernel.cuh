@@ -1,9 +1,10 @@
 // The backward main kernel (DESIGN §6), one persistent CTA per multiprocessor, 384 threads:
-//   warpgroup 0, warp 0  producer: takes work items (document, key/value head, key block) through
-//                        an atomic counter, TMA-loads the block's K, V and K^T once, then for each
-//                        query head of the group and query tile from the diagonal on the tile's Q,
-//                        dO and their K-major copies into a two-stage ring, staging the tile's
-//                        per-row vectors (bwd_scales.cuh); the warpgroup's other warps exit.
+//   warpgroup 0          producer, on 24 registers. Warp 0 takes work items (document, key/value
+//                        head, key block) through an atomic counter, TMA-loads the block's K, V and
+//                        K^T once, then for each query head of the group and query tile from the
+//                        diagonal on the tile's Q, dO and their K-major copies into a two-stage
+//                        ring; warps 1 and 2 stage the tiles' per-row vectors (bwd_scales.cuh), a
+//                        row a lane; warp 3 exits.
 //   warpgroups 1, 2      consumers: 64 keys each (mainloop_bwd.cuh).
 // Included by the two instantiation files (bwd_mxfp8.cu, bwd_qk16.cu) only.
 #pragma once
@@ -25,10 +26,12 @@ static_assert(kConsumerWarpgroups * wgmma::kM == kBlockN, "each consumer owns 64
 
 // Registers: a consumer holds dK and dV (two halves each), dS of the step, one fresh product tile
 // and the packed operands (S^T and dP^T are live together only before the packing). The producer
-// stages the per-row vectors from registers too: at 24 it spilled about 50 local accesses per step
-// (ptxas -v); at 40 (consumers 232) the mxfp8 kernels spill 44-56 B, none in the producer's step
-// loop and one reload in the consumers' (at 48 the consumers' loop spills more).
-constexpr uint32_t kProducerRegs = 40;
+// warpgroup takes the minimum, which leaves the consumers 240: at 232 their step loop reloaded a
+// spill, at 240 it has none (the backward on 1x65536 is 3 % faster, docs/PERF.md item 172). On 24,
+// one warp staging all 64 rows spilled about 50 local accesses a step (item 128); with a row a
+// lane over two warps, each reloads a few loop variables (4-9 local accesses a step, off
+// the consumers' path).
+constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs =
     consumer_register_budget(kProducerWarpgroups, kProducerRegs, kConsumerWarpgroups);
 constexpr uint32_t kConsumerRegHeadroom = 16;
@@ -39,14 +42,23 @@ static_assert(4 * kTileRegs + kTileRegs + kTileRegs + 2 * kQuerySlices * 4 + kCo
                   kConsumerRegs,
               "consumer register budget too small");
 
-// Full barriers: the key block by the elected lane (one arrival plus the bytes); a query step by
-// all 32 producer lanes, each after its row stores. Empty barriers: lane 0 of every consumer warp
-// after a __syncwarp (Pipeline::warp_release).
-constexpr uint32_t kKeyBlockArrivals = 1;
-constexpr uint32_t kStepArrivals = kWarpThreads;
+// The producer warpgroup's working warps: one takes the work items and issues every copy, two
+// stage the query tiles' per-row vectors.
+enum class ProducerWarp : uint32_t { kCopies = 0, kFirstRows = 1 };
+static_assert(kRowWarps == 2, "backward_kernel starts two row warps");
 
+// Full barriers: the key block by the copy warp's elected lane (one arrival plus the bytes); a
+// query step by that lane (an arrival plus the bytes, before its copies) and the row warps' lanes,
+// each after its row store. Empty barriers: lane 0 of every consumer warp after a
+// __syncwarp (Pipeline::warp_release).
+constexpr uint32_t kKeyBlockArrivals = 1;
+constexpr uint32_t kStepArrivals = 1 + kRowWarps * kWarpThreads;
+
+// The copy warp: work items through an atomic counter, the key block's K, V and K^T once, then for
+// each query head of the group and query tile from the diagonal on the tile's Q, dO and their
+// K-major copies into the query ring.
 template <ScoreOperand kScore, bool kCausal>
-__device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
+__device__ void produce_copies(const Params& p, SharedStorage<kScore>& sm) {
   using L = SmemLayout<kScore>;
   const int lane = int(lane_index());
   const bool elected = lane == 0;
@@ -111,16 +123,12 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
     for (int hh = 0; hh < p.group; ++hh) {
       const int head = item.kv_head * p.group + hh;
       for (int m = first_query_tile(item.key_block, kCausal); m < tiles; ++m) {
-        const StepGeometry g{begin, length, m * kBlockM, n0, head};
-        const RowLoads in = load_query_rows(p, g, lane);
         sm.q_pipe.producer_acquire(q_state);
-        // The tiles' copies first, in flight while the lanes stage the rows; every lane, the
-        // elected one too, arrives after its row stores (docs/PERF.md, item 167).
-        uint64_t* full = sm.q_pipe.full_barrier(q_state);
         if (elected) {
-          mbarrier_expect_tx(full, L::kQStageBytes);
-          const int32_t token = int32_t(begin + g.m0);
-          const int32_t position = int32_t(t_begin + g.m0);
+          uint64_t* full = sm.q_pipe.full_barrier(q_state);
+          sm.q_pipe.producer_commit(q_state, L::kQStageBytes);
+          const int32_t token = int32_t(begin + m * kBlockM);
+          const int32_t position = int32_t(t_begin + m * kBlockM);
 #pragma unroll
           for (int span = 0; span < L::kSpans; ++span)
             tma_load_3d(sm.q[q_state.index] + span * L::kQSpanBytes, &p.map_q, span * L::kSpanElems,
@@ -129,8 +137,36 @@ __device__ void producer(const Params& p, SharedStorage<kScore>& sm) {
           tma_load_2d(sm.qt[q_state.index], &p.map_qt, position, head * kHeadDim, full);
           tma_load_2d(sm.doutt[q_state.index], &p.map_doutt, position, head * kHeadDim, full);
         }
-        stage_query_rows<kScore, kCausal>(sm.rows[q_state.index], p, g, in, lane);
-        mbarrier_arrive(full);
+        q_state.advance();
+      }
+    }
+  }
+}
+
+// A row warp: follows the copy warp's work items (read once each key block has landed, as the
+// consumers do; the item cannot change before the consumers release it, which needs this warp's
+// rows) and stages its half of each step's per-row vectors (bwd_scales.cuh) into the query ring.
+template <ScoreOperand kScore, bool kCausal, int kRowWarp>
+__device__ void produce_rows(const Params& p, SharedStorage<kScore>& sm) {
+  const int lane = int(lane_index());
+  PipelineState<1> kv_state;
+  PipelineState<kQStages> q_state;
+  for (;;) {
+    sm.kv_pipe.consumer_wait(kv_state);
+    const WorkItem item = sm.item;
+    kv_state.advance();
+    if (item.doc < 0) return;
+    const int64_t begin = p.cu_seqlens[item.doc];
+    const int length = int(p.cu_seqlens[item.doc + 1] - begin);
+    const int tiles = (length + kBlockM - 1) / kBlockM;
+    for (int hh = 0; hh < p.group; ++hh) {
+      const int head = item.kv_head * p.group + hh;
+      for (int m = first_query_tile(item.key_block, kCausal); m < tiles; ++m) {
+        const StepGeometry g{begin, length, m * kBlockM, item.key_block * kBlockN, head};
+        const RowLoads in = load_query_rows<kRowWarp>(p, g, lane);
+        sm.q_pipe.producer_acquire(q_state);
+        stage_query_rows<kScore, kCausal, kRowWarp>(sm.rows[q_state.index], p, g, in, lane);
+        mbarrier_arrive(sm.q_pipe.full_barrier(q_state));
         q_state.advance();
       }
     }
@@ -160,7 +196,10 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
   const uint32_t warpgroup = warpgroup_index();
   if (warpgroup == uint32_t(Warpgroup::kProducer)) {
     setmaxnreg_dec<kProducerRegs>();
-    if (warp_index() == 0) producer<kScore, kCausal>(p, sm);
+    if (warp_index() == uint32_t(ProducerWarp::kCopies)) produce_copies<kScore, kCausal>(p, sm);
+    const uint32_t warp = warp_index();
+    if (warp == uint32_t(ProducerWarp::kFirstRows)) produce_rows<kScore, kCausal, 0>(p, sm);
+    if (warp == uint32_t(ProducerWarp::kFirstRows) + 1) produce_rows<kScore, kCausal, 1>(p, sm);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     consumer_mainloop<kScore, kCausal, kDiagnostics, kDq, kRotated>(

@@ -1,4 +1,4 @@
-// Per-query-row vectors of one backward step, staged in shared memory by the producer warp (DESIGN
+// Per-query-row vectors of one backward step, staged in shared memory by two producer warps (DESIGN
 // §2, §4): the terms of P' and dS' (bwd_smem.cuh: the Q and dO scales in P's exponent), and the
 // fold of P'^T to dV's operand relative to the tile's reference exponent C (constant along dV's
 // contraction).
@@ -15,8 +15,9 @@
 
 namespace flamia::sm90::bwd {
 
-constexpr int kRowsPerLane = kBlockM / int(kWarpThreads);
-static_assert(kRowsPerLane * int(kWarpThreads) == kBlockM, "one warp covers a query tile");
+// Two producer warps stage a query tile's rows, lane l of row warp w row l + 32 w.
+constexpr int kRowWarps = kBlockM / int(kWarpThreads);
+static_assert(kRowWarps * int(kWarpThreads) == kBlockM, "two warps cover a query tile");
 // P^T * 2^(e_dO - C + 8) <= 2^8: folds below 2^-kFoldFloorLog2 give E4M3 zero either way.
 constexpr int kFoldFloorLog2 = 64;
 constexpr uint8_t kUnitExponentCode = ue8m0::kBias;
@@ -29,69 +30,71 @@ struct StepGeometry {
   int head;       // query head
 };
 
-// A lane's inputs for its rows (l and l + 32) of one step, loaded from global memory before the
-// stage they go to is free, so that their latency overlaps the producer's wait for it.
+// A lane's inputs for its row of one step, loaded from global memory before the stage they go to
+// is free, so that their latency overlaps the warp's wait for it; and the dO exponents of the
+// lane's rows in every row warp, as each warp forms the tile's reference C over all 64 rows itself.
 struct RowLoads {
-  int e_q[kRowsPerLane];  // Q and dO scale exponents (0 past the document)
-  int e_g[kRowsPerLane];
-  float lse[kRowsPerLane];  // LSE and D (unused past the document)
-  float delta[kRowsPerLane];
+  int e_q;             // Q's scale exponent (0 past the document)
+  int e_g[kRowWarps];  // dO's, of rows lane + 32 k (0 past the document)
+  float lse;           // LSE and D (unused past the document)
+  float delta;
 };
 
+__device__ __forceinline__ bool row_in_document(const StepGeometry& g, int r) {
+  return g.m0 + r < g.length;
+}
+
+template <int kRowWarp>
 __device__ __forceinline__ RowLoads load_query_rows(const Params& p, const StepGeometry& g,
                                                     int lane) {
   RowLoads in;
+  const int64_t tile_token = g.begin + g.m0;
+  const int64_t exp_row = int64_t(g.head) * p.tokens_padded + tile_token;
 #pragma unroll
-  for (int k = 0; k < kRowsPerLane; ++k) {
+  for (int k = 0; k < kRowWarps; ++k) {
     const int r = lane + k * int(kWarpThreads);
-    const int64_t token = g.begin + g.m0 + r;
-    const bool valid = g.m0 + r < g.length;
-    const int64_t exp_at = int64_t(g.head) * p.tokens_padded + token;
-    const int64_t stat_at = int64_t(g.head) * p.tokens + token;
-    in.e_q[k] = valid ? int(__ldg(p.q_exponents + exp_at)) - ue8m0::kBias : 0;
-    in.e_g[k] = valid ? int(__ldg(p.dout_exponents + exp_at)) - ue8m0::kBias : 0;
-    in.lse[k] = valid ? __ldg(p.lse + stat_at) : 0.0f;
-    in.delta[k] = valid ? __ldg(p.delta + stat_at) : 0.0f;
+    in.e_g[k] =
+        row_in_document(g, r) ? int(__ldg(p.dout_exponents + exp_row + r)) - ue8m0::kBias : 0;
   }
+  const int r = lane + kRowWarp * int(kWarpThreads);
+  const bool valid = row_in_document(g, r);
+  const int64_t stat_at = int64_t(g.head) * p.tokens + tile_token + r;
+  in.e_q = valid ? int(__ldg(p.q_exponents + exp_row + r)) - ue8m0::kBias : 0;
+  in.lse = valid ? __ldg(p.lse + stat_at) : 0.0f;
+  in.delta = valid ? __ldg(p.delta + stat_at) : 0.0f;
   return in;
 }
 
-// All 32 lanes of the producer warp; lane l stages rows l and l + 32.
-template <ScoreOperand kScore, bool kCausal>
+// All 32 lanes of row warp kRowWarp; lane l stages row l + 32 kRowWarp.
+template <ScoreOperand kScore, bool kCausal, int kRowWarp>
 __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p,
                                                  const StepGeometry& g, const RowLoads& in,
                                                  int lane) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
-  int e_g[kRowsPerLane], e_qg[kRowsPerLane];
-  RowTerms terms[kRowsPerLane];
-  bool sees[kRowsPerLane];
+  // C: the largest dO exponent over the tile's rows that see the key block.
   int c_ref = INT_MIN;
 #pragma unroll
-  for (int k = 0; k < kRowsPerLane; ++k) {
+  for (int k = 0; k < kRowWarps; ++k) {
     const int r = lane + k * int(kWarpThreads);
-    const bool valid = g.m0 + r < g.length;
-    const int e_q = in.e_q[k];
-    e_g[k] = in.e_g[k];
-    const float q_unit = exp2i(e_q);
-    terms[k].rf = kScore == ScoreOperand::kE4m3 ? p.scale_log2 * q_unit : p.scale_log2;
-    terms[k].bias = valid ? float(e_q + e_g[k]) - in.lse[k] * kLog2e : -INFINITY;
-    terms[k].delta = valid ? in.delta[k] * exp2i(-e_g[k]) : 0.0f;
-    e_qg[k] = e_q + e_g[k];
-    dst.q_inverse[r] = valid ? exp2i(-e_q) : 0.0f;
-    sees[k] = valid && (!kCausal || g.m0 + r >= g.n0);
-    if (sees[k]) c_ref = max(c_ref, e_g[k]);
+    if (row_in_document(g, r) && (!kCausal || g.m0 + r >= g.n0)) c_ref = max(c_ref, in.e_g[k]);
   }
 #pragma unroll
   for (int d = 1; d < int(kWarpThreads); d *= 2)
     c_ref = max(c_ref, __shfl_xor_sync(kFull, c_ref, d));
-#pragma unroll
-  for (int k = 0; k < kRowsPerLane; ++k) {
-    const int r = lane + k * int(kWarpThreads);
-    terms[k].p_fold =
-        sees[k] ? exp2i(max(e_g[k] - c_ref + kPOffsetLog2, -kFoldFloorLog2) - e_qg[k]) : 0.0f;
-    dst.terms[r] = terms[k];
-  }
-  if (lane == 0) dst.dv_unit = c_ref == INT_MIN ? 0.0f : exp2i(c_ref - kPOffsetLog2);
+
+  const int r = lane + kRowWarp * int(kWarpThreads);
+  const bool valid = row_in_document(g, r);
+  const bool sees = valid && (!kCausal || g.m0 + r >= g.n0);
+  const int e_q = in.e_q, e_g = in.e_g[kRowWarp];
+  RowTerms terms;
+  terms.rf = kScore == ScoreOperand::kE4m3 ? p.scale_log2 * exp2i(e_q) : p.scale_log2;
+  terms.bias = valid ? float(e_q + e_g) - in.lse * kLog2e : -INFINITY;
+  terms.delta = valid ? in.delta * exp2i(-e_g) : 0.0f;
+  terms.p_fold =
+      sees ? exp2i(max(e_g - c_ref + kPOffsetLog2, -kFoldFloorLog2) - (e_q + e_g)) : 0.0f;
+  dst.terms[r] = terms;
+  dst.q_inverse[r] = valid ? exp2i(-e_q) : 0.0f;
+  if (r == 0) dst.dv_unit = c_ref == INT_MIN ? 0.0f : exp2i(c_ref - kPOffsetLog2);
 }
 
 }  // namespace flamia::sm90::bwd
