@@ -93,6 +93,7 @@ __device__ void produce_copies(const Params& p, SharedStorage<kScore>& sm) {
     if (elected) {
       sm.item = item;
       sm.k_tile_unit = ue8m0::decode(uint8_t(k_tile_code));
+      mbarrier_arrive(&sm.item_ready);
       if (item.doc < 0) {
         mbarrier_arrive(sm.kv_pipe.full_barrier(kv_state));
       } else {
@@ -143,18 +144,19 @@ __device__ void produce_copies(const Params& p, SharedStorage<kScore>& sm) {
   }
 }
 
-// A row warp: follows the copy warp's work items (read once each key block has landed, as the
-// consumers do; the item cannot change before the consumers release it, which needs this warp's
-// rows) and stages its half of each step's per-row vectors (bwd_scales.cuh) into the query ring.
+// A row warp: follows the copy warp's work items (each read as soon as it is written, before its
+// key block lands; the next one is written only once the consumers have released this one, which
+// needs this warp's rows) and stages its half of each step's per-row vectors (bwd_scales.cuh) into
+// the query ring.
 template <ScoreOperand kScore, bool kCausal, int kRowWarp>
 __device__ void produce_rows(const Params& p, SharedStorage<kScore>& sm) {
   const int lane = int(lane_index());
-  PipelineState<1> kv_state;
+  uint32_t item_phase = 0;
   PipelineState<kQStages> q_state;
   for (;;) {
-    sm.kv_pipe.consumer_wait(kv_state);
+    mbarrier_wait(&sm.item_ready, item_phase);
+    item_phase ^= 1;
     const WorkItem item = sm.item;
-    kv_state.advance();
     if (item.doc < 0) return;
     const int64_t begin = p.cu_seqlens[item.doc];
     const int length = int(p.cu_seqlens[item.doc + 1] - begin);
@@ -189,6 +191,8 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
   if (threadIdx.x == 0) {
     sm.kv_pipe.init(kKeyBlockArrivals, kConsumerWarps);
     sm.q_pipe.init(kStepArrivals, kConsumerWarps);
+    mbarrier_init(&sm.item_ready, kKeyBlockArrivals);
+    mbarrier_init_fence();
   }
   for (int i = threadIdx.x; i < kMaxBuffers * kBlockM; i += blockDim.x)
     sm.row_max[i / kBlockM][i % kBlockM] = kRowMaxFloor;

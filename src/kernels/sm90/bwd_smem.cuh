@@ -89,7 +89,8 @@ struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
   QueryRows rows[kQStages];
   alignas(8) int row_max[kMaxBuffers][kBlockM];  // 8-aligned: a thread's query pairs as int2
   WorkItem item;
-  float k_tile_unit;  // 2^max e_k over the key block: the score unit on K's tile codes
+  float k_tile_unit;    // 2^max e_k over the key block: the score unit on K's tile codes
+  uint64_t item_ready;  // the copy warp's arrival once `item` holds the next work item
   Pipeline<1> kv_pipe;
   Pipeline<kQStages> q_pipe;
 };
