@@ -50,7 +50,8 @@ static_assert(kRowWarps == 2, "backward_kernel starts two row warps");
 // Full barriers: the key block by the copy warp's elected lane (one arrival plus the bytes); a
 // query step by that lane (an arrival plus the bytes, before its copies) and the row warps' lanes,
 // each after its row store. Empty barriers: lane 0 of every consumer warp after a
-// __syncwarp (Pipeline::warp_release).
+// __syncwarp (Pipeline::warp_release). The item barrier (item_ready): the copy warp's elected
+// lane once sm.item holds the next work item.
 constexpr uint32_t kKeyBlockArrivals = 1;
 constexpr uint32_t kStepArrivals = 1 + kRowWarps * kWarpThreads;
 
