@@ -63,10 +63,11 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" : : "n"(Regs));
 }
 
-// 3 warpgroups: 168 per thread at launch, so 40 + 2 x 232 uses the pool exactly and 32 + 2 x 240
-// would not fit (it hangs).
+// 3 warpgroups: 168 per thread at launch, so 40 + 2 x 232 and 24 + 2 x 240 (the backward) use the
+// pool exactly, and 32 + 2 x 240 would not fit (it hangs).
 static_assert(consumer_register_budget(1, 40, 2) == 232 &&
-                  consumer_register_budget(1, 32, 2) == 232,
+                  consumer_register_budget(1, 32, 2) == 232 &&
+                  consumer_register_budget(1, 24, 2) == 240,
               "launch pool of three warpgroups");
 // 4 warpgroups: 128 per thread at launch, so 32 + 3 x 160 fits.
 static_assert(consumer_register_budget(1, 32, 3) == 160, "launch pool of four warpgroups");
