@@ -54,6 +54,7 @@ static_assert(kRowWarps == 2, "backward_kernel starts two row warps");
 // lane once sm.item holds the next work item.
 constexpr uint32_t kKeyBlockArrivals = 1;
 constexpr uint32_t kStepArrivals = 1 + kRowWarps * kWarpThreads;
+constexpr uint32_t kItemArrivals = 1;
 
 // The copy warp: work items through an atomic counter, the key block's K, V and K^T once, then for
 // each query head of the group and query tile from the diagonal on the tile's Q, dO and their
@@ -192,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_kernel(const __grid_cons
   if (threadIdx.x == 0) {
     sm.kv_pipe.init(kKeyBlockArrivals, kConsumerWarps);
     sm.q_pipe.init(kStepArrivals, kConsumerWarps);
-    mbarrier_init(&sm.item_ready, kKeyBlockArrivals);
+    mbarrier_init(&sm.item_ready, kItemArrivals);
     mbarrier_init_fence();
   }
   for (int i = threadIdx.x; i < kMaxBuffers * kBlockM; i += blockDim.x)
