@@ -1,9 +1,9 @@
 // The GPU backward and the training call (flamia/attention_gpu.h) against the CPU emulator run
 // with the kernels' tiles (forward kGpuForwardTiles, backward kGpuBackwardTiles) and against FP64:
 // packed documents of 0..1000 tokens at unaligned offsets, GQA, causal and not, both recipes,
-// normal, heavy-tail and outlier-channel inputs, Hadamard-rotated Q and K (mxfp8); then strided
-// gradients with poisoned gaps, the deterministic mode's reproducibility and prefix isolation,
-// repeated calls on one object (the dQ accumulator's clear), and argument checks.
+// normal, heavy-tail and outlier-channel inputs, all-zero Q and K tokens, Hadamard-rotated Q and K
+// (mxfp8); then strided gradients with poisoned gaps, the deterministic mode's reproducibility and
+// prefix isolation, repeated calls on one object (the dQ accumulator's clear), and argument checks.
 //
 // Tolerance (derived; every test prints what it measured as "[measured]" lines):
 //   rel L2(G_gpu - G_emu) <= 0.5 rel L2(G_emu - G_fp64)   for G in dQ, dK, dV
@@ -59,6 +59,9 @@ struct BwdCase {
   uint64_t seed = 1;
   bool deterministic = false;  // ordered dQ additions: their own kernel instantiations
   bool hadamard = false;       // rotated Q and K: dQ and dK rotated back (mxfp8)
+  // Every token t with t % zero_every == 3 gets an all-zero Q row, t % zero_every == 5 an
+  // all-zero K row (all heads): the quantizer gives them the smallest exponent (2^-127).
+  int zero_every = 0;
 };
 
 BwdCase deterministic_case(BwdCase c) {
@@ -85,7 +88,16 @@ AttentionBatch make_batch(const BwdCase& c) {
   InputSpec spec;
   spec.kind = c.inputs;
   spec.seed = c.seed;
-  return generate_batch(c.docs, c.heads_q, c.heads_kv, kDim, spec);
+  AttentionBatch b = generate_batch(c.docs, c.heads_q, c.heads_kv, kDim, spec);
+  if (c.zero_every > 0) {
+    for (int64_t t = 0; t < b.tokens; ++t) {
+      if (t % c.zero_every == 3)
+        std::fill_n(b.q.begin() + t * b.heads_q * kDim, b.heads_q * kDim, uint16_t(0));
+      if (t % c.zero_every == 5)
+        std::fill_n(b.k.begin() + t * b.heads_kv * kDim, b.heads_kv * kDim, uint16_t(0));
+    }
+  }
+  return b;
 }
 
 bool all_finite(const std::vector<float>& v) {
@@ -165,6 +177,14 @@ std::vector<BwdCase> cases() {
   // Every deterministic instantiation (mxfp8 causal also in the tests below), and the rotation
   // with ordered dQ additions.
   for (int i : {1, 5, 6, 7, 8}) v.push_back(deterministic_case(v[size_t(i)]));
+  // All-zero query and key tokens: a query's gradient and its share of dV must not vanish with
+  // its scale (its P and dS do not depend on it).
+  BwdCase zeros{"ZeroTokensCausal", kOddDocs};
+  zeros.zero_every = 7;
+  v.push_back(zeros);
+  zeros.name = "Qk16ZeroTokensCausal";
+  zeros.recipe = Recipe::kMxfp8Qk16;
+  v.push_back(zeros);
   return v;
 }
 

@@ -20,6 +20,11 @@ constexpr int kRowWarps = kBlockM / int(kWarpThreads);
 static_assert(kRowWarps * int(kWarpThreads) == kBlockM, "two warps cover a query tile");
 // P^T * 2^(e_dO - C + 8) <= 2^8: folds below 2^-kFoldFloorLog2 give E4M3 zero either way.
 constexpr int kFoldFloorLog2 = 64;
+// The exponent an all-zero Q row (kZeroGroupExponent, zero codes) folds into P' and dS' instead of
+// its own 2^-127: its dS still feeds dQ and its P dV, and 2^-127 flushed them to zero. Any
+// exponent gives its dK share (zero codes) zero; this one keeps dS' inside float's normal range
+// and below the other rows' in dK's key scales.
+constexpr int kZeroRowFoldExponent = -kFoldFloorLog2;
 constexpr uint8_t kUnitExponentCode = ue8m0::kBias;
 
 struct StepGeometry {
@@ -85,7 +90,8 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
   const int r = lane + kRowWarp * int(kWarpThreads);
   const bool valid = row_in_document(g, r);
   const bool sees = valid && (!kCausal || g.m0 + r >= g.n0);
-  const int e_q = in.e_q, e_g = in.e_g[kRowWarp];
+  const int e_q = in.e_q == kZeroGroupExponent ? kZeroRowFoldExponent : in.e_q;
+  const int e_g = in.e_g[kRowWarp];
   RowTerms terms;
   terms.rf = kScore == ScoreOperand::kE4m3 ? p.scale_log2 * exp2i(e_q) : p.scale_log2;
   terms.bias = valid ? float(e_q + e_g) - in.lse * kLog2e : -INFINITY;
