@@ -94,7 +94,7 @@ __device__ void produce_copies(const Params& p, SharedStorage<kScore>& sm) {
     sm.kv_pipe.producer_acquire(kv_state);
     if (elected) {
       sm.item = item;
-      sm.k_tile_unit = ue8m0::decode(uint8_t(k_tile_code));
+      sm.k_tile_unit = ue8m0::decode(uint8_t(k_tile_code)) * p.scale_log2;
       mbarrier_arrive(&sm.item_ready);
       if (item.doc < 0) {
         mbarrier_arrive(sm.kv_pipe.full_barrier(kv_state));

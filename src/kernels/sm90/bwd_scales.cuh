@@ -20,10 +20,10 @@ constexpr int kRowWarps = kBlockM / int(kWarpThreads);
 static_assert(kRowWarps * int(kWarpThreads) == kBlockM, "two warps cover a query tile");
 // P^T * 2^(e_dO - C + 8) <= 2^8: folds below 2^-kFoldFloorLog2 give E4M3 zero either way.
 constexpr int kFoldFloorLog2 = 64;
-// The exponent an all-zero Q row (kZeroGroupExponent, zero codes) folds into P' and dS' instead of
-// its own 2^-127: its dS still feeds dQ and its P dV, and 2^-127 flushed them to zero. Any
-// exponent gives its dK share (zero codes) zero; this one keeps dS' inside float's normal range
-// and below the other rows' in dK's key scales.
+// The exponent an all-zero Q row (kZeroGroupExponent, zero codes) folds into dS'' instead of its
+// own 2^-127, under which its dS (which still feeds dQ) left float's range. Any exponent gives its
+// dK share (zero codes) zero; this one keeps dS'' inside float's normal range and below the other
+// rows' in dK's key scales.
 constexpr int kZeroRowFoldExponent = -kFoldFloorLog2;
 constexpr uint8_t kUnitExponentCode = ue8m0::kBias;
 
@@ -92,13 +92,12 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
   const bool sees = valid && (!kCausal || g.m0 + r >= g.n0);
   const int e_q = in.e_q == kZeroGroupExponent ? kZeroRowFoldExponent : in.e_q;
   const int e_g = in.e_g[kRowWarp];
-  RowTerms terms;
-  terms.rf = kScore == ScoreOperand::kE4m3 ? p.scale_log2 * exp2i(e_q) : p.scale_log2;
-  terms.bias = valid ? float(e_q + e_g) - in.lse * kLog2e : -INFINITY;
-  terms.delta = valid ? in.delta * exp2i(-e_g) : 0.0f;
-  terms.p_fold =
-      sees ? exp2i(max(e_g - c_ref + kPOffsetLog2, -kFoldFloorLog2) - (e_q + e_g)) : 0.0f;
-  dst.terms[r] = terms;
+  // P'' = P 2^fold, dV's operand; where fold is far below zero, P'' is zero in E4M3 either way.
+  const int fold = e_g - c_ref + kPOffsetLog2;
+  float* run = dst.terms[(r % 8) / 2] + ((r / 8) * 2 + r % 2) * kRowTermFloats;
+  run[0] = exp2i(e_q);
+  run[1] = sees ? float(fold) - in.lse * kLog2e : -INFINITY;
+  run[2] = valid ? in.delta * exp2i(-e_g) : 0.0f;
   dst.q_inverse[r] = valid ? exp2i(-e_q) : 0.0f;
   if (r == 0) dst.dv_unit = c_ref == INT_MIN ? 0.0f : exp2i(c_ref - kPOffsetLog2);
 }

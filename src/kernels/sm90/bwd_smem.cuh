@@ -15,21 +15,29 @@
 
 namespace flamia::sm90::bwd {
 
-// Per query row of a tile, staged by the producer (bwd_scales.cuh). The row's scales 2^e_q (Q's
-// codes, folded into dS^T for dK) and 2^e_dO (dP's row scale) enter P's exponent, so the gradient
-// works on P' = P 2^(e_q + e_dO) and dS' = P' (dP 2^e_v - D 2^-e_dO) = dS 2^e_q, dK's operand
-// before its key scale, with no multiply per element for either scale (softmax_bwd.cuh). 16 B
-// aligned: one vector load per row.
-struct alignas(16) RowTerms {
-  float rf;      // softmax scale * log2(e) * 2^e_q: S's row factor (2^e_q is 1 for BF16 Q)
-  float bias;    // e_q + e_dO - LSE * log2(e); -inf outside the document, so P' = 0 there
-  float delta;   // D 2^-e_dO; 0 outside the document
-  float p_fold;  // 2^(e_dO - C + 8) / 2^(e_q + e_dO): P'^T to dV's operand (C: stage's dv_unit)
+// Per query row of a tile, staged by the producer (bwd_scales.cuh). dO's row scale and dV's fold
+// reference C enter P's exponent, so the gradient works on P'' = P 2^(e_dO - C + 8), which is dV's
+// operand as it stands, and dS'' = P'' (dP 2^e_v - D 2^-e_dO) 2^e_q = dS 2^e_q 2^(8 - C), dK's
+// operand up to its key scale and a power of two uniform over the step (softmax_bwd.cuh). Three
+// floats a query: a thread's sixteen queries in twelve 16-byte loads (load_pair_terms).
+struct RowTerms {
+  float rf;     // 2^e_q (kZeroRowFoldExponent's for an all-zero row): S's row factor on E4M3 Q
+                // (the softmax scale rides on the key's) and Q's scale folded into dS^T for dK
+  float bias;   // e_dO - C + 8 - LSE * log2(e); -inf outside the document or where the row sees
+                // no key of the block
+  float delta;  // D 2^-e_dO; 0 outside the document
 };
+constexpr int kRowTermFloats = 3;
+constexpr int kQuadPositions = 4;
+constexpr int kQuadQueries = kBlockM / kQuadPositions;  // a thread's queries: 8 g + 2 quad + c
+// A quad position's queries in its order n = 2 g + c, three floats each, then a pad that puts the
+// four positions' 16-byte loads in distinct banks (a 208-byte stride: 20 words apart mod 32).
+constexpr int kQuadTermFloats = kQuadQueries * kRowTermFloats + 4;
+static_assert(kQuadTermFloats % 4 == 0, "16-byte loads");
 
 struct alignas(16) QueryRows {
-  RowTerms terms[kBlockM];
-  float q_inverse[kBlockM];  // 2^-e_q: dS' back to dS (dQ's row unit); 0 outside the document
+  float terms[kQuadPositions][kQuadTermFloats];
+  float q_inverse[kBlockM];  // 2^-e_q: with dv_unit, dS'' back to dS (dQ's row unit); 0 outside
   float dv_unit;  // 2^(C - 8), C = max e_dO over the tile's rows that see the key block; 0: none
 };
 

@@ -70,7 +70,8 @@ __device__ __forceinline__ void flush_dq_partial(PendingDq& pending) {
 }
 
 // The warpgroup's dQ partial (queries x its 64 head-dim columns) times 2^er per row, er from the
-// step's query maxima (of dS' = dS 2^e_q, so times q_inverse = 2^-e_q as well), added to the
+// step's query maxima (of dS'' = dS 2^e_q 2^(8 - C), so times q_inverse = 2^-e_q and step_unit =
+// 2^(C - 8) as well, in that order: 2^(er - e_q) stays in float's range), added to the
 // accumulator's slot in fragment order. Unordered: staged in shared memory and added by bulk
 // reductions, each warp its contiguous part (flush_dq_partial, at the next step's start). Ordered
 // mode: after the additions of key blocks 0..n-1 (2n turns, one per warpgroup), every thread adds
@@ -81,15 +82,15 @@ __device__ __forceinline__ void flush_dq_partial(PendingDq& pending) {
 template <DqAddition kDq, typename Barrier>
 __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq)[kTileRegs],
                                                const int* row_max,
-                                               const float (&q_inverse)[kKeyRows], float* stage,
-                                               const StepItem& item, int q_tile, int t,
-                                               int warpgroup, Barrier warpgroup_barrier,
+                                               const float (&q_inverse)[kKeyRows], float step_unit,
+                                               float* stage, const StepItem& item, int q_tile,
+                                               int t, int warpgroup, Barrier warpgroup_barrier,
                                                PendingDq& pending) {
   float unit[kKeyRows];
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r)
     unit[r] = exp2i(scale_exponent_up_e4m3_of_field(uint32_t(row_max[wgmma::acc_row(t, 2 * r)]))) *
-              q_inverse[r];
+              q_inverse[r] * step_unit;
   const int64_t slot_index = int64_t(item.dq_slot0) + q_tile;
   float* half = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;
   const bool ordered =

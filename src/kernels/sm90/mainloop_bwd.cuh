@@ -237,11 +237,11 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   const bool masked = (kCausal && m0 < item.n0 + kBlockN) || item.n0 + kBlockN > item.length ||
                       m0 + kBlockM > item.length;
   if (masked) {
-    gradient_step<true, kCausal, kDiagnostics>(s, dp, rows, step_keys, quad, m0, item.length, ops,
-                                               query_max, diag);
+    gradient_step<true, kCausal, kDiagnostics, kScore == ScoreOperand::kE4m3>(
+        s, dp, rows, step_keys, quad, m0, item.length, ops, query_max, diag);
   } else {
-    gradient_step<false, kCausal, kDiagnostics>(s, dp, rows, step_keys, quad, m0, item.length, ops,
-                                                query_max, diag);
+    gradient_step<false, kCausal, kDiagnostics, kScore == ScoreOperand::kE4m3>(
+        s, dp, rows, step_keys, quad, m0, item.length, ops, query_max, diag);
   }
   int* row_max = sm.row_max[step % kMaxBuffers];
   publish_query_max(row_max, query_max, quad);
@@ -253,7 +253,8 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
   store_ds_tile<kDiagnostics>(sm.ds, dp, row_max, quad, key_base, diag);
 
   const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
-  // dS' = dS 2^e_q: the dQ partial's rows (queries) take 2^-e_q back, read before the stage goes.
+  // dS'' = dS 2^e_q 2^(8 - C): the dQ partial's rows (queries) take 2^-e_q and 2^(C - 8) back,
+  // read before the stage goes.
   float q_inverse[kKeyRows];
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r) q_inverse[r] = rows.q_inverse[wgmma::acc_row(t, 2 * r)];
@@ -267,9 +268,10 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
 
   float dq[kTileRegs];
   issue_dq_product<kScore>(dq, sm, warpgroup);
-  add_dq_partial<kDq>(
-      p, dq, row_max, q_inverse, sm.dq_stage[warpgroup][step % kDqStages], item, m, t, warpgroup,
-      warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1, pending);
+  add_dq_partial<kDq>(p, dq, row_max, q_inverse, dv_unit[0],
+                      sm.dq_stage[warpgroup][step % kDqStages], item, m, t, warpgroup,
+                      warpgroup == 0 ? ConsumerBarrier::kWarpgroup0 : ConsumerBarrier::kWarpgroup1,
+                      pending);
   if constexpr (kDiagnostics) publish_diagnostics(p.diagnostics, diag);
 }
 
@@ -308,7 +310,7 @@ __device__ void consumer_mainloop(const Params& p, SharedStorage<kScore>& sm, in
       const int64_t at = int64_t(item.kv_head) * p.tokens_padded + begin + kr.key[r];
       const float k_unit = valid ? exp2i(int(__ldg(p.k_exponents + at)) - ue8m0::kBias) : 0.0f;
       kr.fold[r] = k_unit;
-      kr.score[r] = kScore == ScoreOperand::kE4m3 ? k_unit : 1.0f;
+      kr.score[r] = kScore == ScoreOperand::kE4m3 ? k_unit * p.scale_log2 : p.scale_log2;
       kr.v[r] = valid ? exp2i(int(__ldg(p.v_exponents + at)) - ue8m0::kBias) : 0.0f;
     }
     float dv[2][kTileRegs], dk[2][kTileRegs];

@@ -1,14 +1,14 @@
 // The backward's elementwise stage on a consumer warpgroup's S^T and dP^T accumulators (64 keys x
 // 64 queries; DESIGN §2, §4, the algorithm of flamia/emulator.h):
-//   P_ij   = 2^(S_ij 2^e_k(j) rf_i - LSE_i log2 e)       the forward's exp2 (ex2.approx); on K's
+//   P_ij   = 2^(S_ij c 2^e_k(j) 2^e_q(i) - LSE_i log2 e) the forward's exp2 (ex2.approx); on K's
 //                                                        tile codes e_k(j) is the block's largest
 //   dS_ij  = P_ij (dP_ij 2^e_dO(i) 2^e_v(j) - D_i)
 //   dV's A operand: E4M3(P_ij 2^(e_dO(i) - C + 8))^T      the dO scale folded into P^T
 //   dK's A operand: E4M3(dS_ij 2^e_q(i) / 2^ec_j)^T       ec_j: key j's scale over the tile's rows
 //   dQ's operand:   E4M3(dS_ij 2^e_k(j) / 2^er_i)         er_i: row i's scale over the block's
 //                                                        keys, from both warpgroups (mainloop)
-// The kernel computes the same codes from P' = P 2^(e_q + e_dO) and dS' = dS 2^e_q (bwd_smem.cuh's
-// RowTerms): the row scales enter P's exponent instead of multiplying every entry.
+// The kernel computes the same codes from P'' = P 2^(e_dO - C + 8) and dS'' = dS 2^e_q 2^(8 - C)
+// (bwd_smem.cuh's RowTerms): the row scales enter P's exponent instead of multiplying every entry.
 // A thread holds keys r and r + 8 of its warp's 16 (rows of S^T) and, per 8 queries, queries 2t and
 // 2t + 1 of its quad; key statistics reduce over the quad.
 #pragma once
@@ -58,7 +58,7 @@ __device__ __forceinline__ uint32_t quad_max_u16x2(uint32_t keys) {
 
 // A thread's two keys of the block.
 struct KeyRows {
-  float score[kKeyRows];  // 2^e_k: S's column scale (1 when the score product reads BF16 K)
+  float score[kKeyRows];  // c 2^e_k: S's column factor with the softmax scale (c for BF16 K)
   float fold[kKeyRows];   // 2^e_k: folded into dS for dQ; 0 past the document
   float v[kKeyRows];      // 2^e_v: dP's column scale; 0 past the document
   int key[kKeyRows];      // document-relative key index
@@ -100,26 +100,59 @@ __device__ __forceinline__ bool rounds_to_zero(float x) {
   return x != 0.0f && (e4m3x2_rn_satfinite(x, 0.0f) & kMagnitudeBits) == 0;
 }
 
-// P' = P 2^(e_q + e_dO) and dS' = dS 2^e_q of one step (bwd_smem.cuh's RowTerms). On return dp
-// holds dS' 2^e_k (dQ's operand before its row scale, which therefore comes out 2^e_q too large:
-// the dQ unit takes it back), ops the packed operands of dV and dK, and query_max the thread's
-// |dS' 2^e_k| maxima over its two keys for each listed query. kMasked: keys past the document or
-// (causal) after the query, and queries past the document, get P = 0; unmasked tiles lie inside the
-// document. kDiagnostics: also counts into `diag` (the fast path compiles without it).
-template <bool kMasked, bool kCausal, bool kDiagnostics>
+// A thread's RowTerms: its quad position's run of sixteen queries (8 g + 2 quad + c in the order
+// 2 g + c), three floats each, read for two column groups at a time: three 16-byte loads.
+constexpr int kPairChunks = 2 * 2 * kRowTermFloats / 4;
+static_assert(2 * 2 * kRowTermFloats % 4 == 0, "a pair of groups in whole 16-byte chunks");
+struct GroupPairTerms {
+  float4 chunk[kPairChunks];
+  // Query c of group g (g's parity selects the pair's half).
+  __device__ __forceinline__ RowTerms at(int g, int c) const {
+    float w[kRowTermFloats];
+#pragma unroll
+    for (int j = 0; j < kRowTermFloats; ++j) {
+      const int f = kRowTermFloats * (2 * (g % 2) + c) + j;
+      const float4& v = chunk[f / 4];
+      w[j] = f % 4 == 0 ? v.x : f % 4 == 1 ? v.y : f % 4 == 2 ? v.z : v.w;
+    }
+    return {w[0], w[1], w[2]};
+  }
+};
+__device__ __forceinline__ GroupPairTerms load_pair_terms(const QueryRows& rows, int quad,
+                                                          int pair) {
+  GroupPairTerms t;
+  const float4* run = reinterpret_cast<const float4*>(rows.terms[quad]) + pair * kPairChunks;
+#pragma unroll
+  for (int i = 0; i < kPairChunks; ++i) t.chunk[i] = run[i];
+  return t;
+}
+
+// P'' = P 2^(e_dO - C + 8) and dS'' = dS 2^e_q 2^(8 - C) of one step (bwd_smem.cuh's RowTerms). On
+// return dp holds dS'' 2^e_k (dQ's operand before its row scale, which therefore comes out
+// 2^(e_q + 8 - C) too large: the dQ unit takes it back), ops the packed operands of dV and dK
+// (dK's units with 2^(C - 8)), and query_max the thread's |dS'' 2^e_k| maxima over its two keys
+// for each listed query. kMasked: keys past the
+// document or (causal) after the query, and queries past the document, get P = 0; unmasked tiles
+// lie inside the document. kDiagnostics: also counts into `diag` (the fast path compiles without
+// it).
+template <bool kMasked, bool kCausal, bool kDiagnostics, bool kE4m3Scores>
 __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)[kTileRegs],
                                               const QueryRows& rows, const KeyRows& kr, int quad,
                                               int m0, int length, KeyOperands& ops,
                                               float (&query_max)[kThreadQueries],
                                               StepDiagnostics& diag) {
+  GroupPairTerms terms;
 #pragma unroll
   for (int g = 0; g < kColGroups; ++g) {
     const int c0 = 8 * g + 2 * quad;
-    const RowTerms t[2] = {rows.terms[c0], rows.terms[c0 + 1]};
+    if (g % 2 == 0) terms = load_pair_terms(rows, quad, g / 2);
+    const RowTerms t[2] = {terms.at(g, 0), terms.at(g, 1)};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int i = 4 * g + k, r = key_half(i), c = k & 1;
-      float p = exp2_approx(fmaf(s[i] * kr.score[r], t[c].rf, t[c].bias));
+      const float logit = kE4m3Scores ? fmaf(s[i] * kr.score[r], t[c].rf, t[c].bias)
+                                      : fmaf(s[i], kr.score[r], t[c].bias);
+      float p = exp2_approx(logit);
       bool visible = true;
       if constexpr (kMasked) {
         const int query = m0 + c0 + c;
@@ -128,10 +161,10 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
         visible = kr.key[r] < length && query < length && (!kCausal || kr.key[r] <= query);
         if (!visible) p = 0.0f;
       }
-      // The scalings by powers of two are exact: dS' = P' (dP 2^e_v - D 2^-e_dO) is the
-      // emulator's P ((dP 2^e_dO) 2^e_v - D) 2^e_q with one rounding fewer.
-      dp[i] = p * fmaf(dp[i], kr.v[r], -t[c].delta);
-      s[i] = p * t[c].p_fold;
+      // The scalings by powers of two are exact: dS'' = P'' 2^e_q (dP 2^e_v - D 2^-e_dO) is the
+      // emulator's P ((dP 2^e_dO) 2^e_v - D) 2^e_q 2^(8 - C) with one rounding fewer.
+      dp[i] = (p * t[c].rf) * fmaf(dp[i], kr.v[r], -t[c].delta);
+      s[i] = p;
       if constexpr (kDiagnostics) {
         diag.entries += visible;
         diag.nonzero += dp[i] != 0.0f;
@@ -151,7 +184,7 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r) {
     const uint32_t field = max(scale_field_of_pair(keys, r), e4m3_scale::kMinField);
-    ops.ds_unit[r] = exp2i(scale_exponent_up_e4m3_of_field(field));
+    ops.ds_unit[r] = exp2i(scale_exponent_up_e4m3_of_field(field)) * rows.dv_unit;  // 2^(C-8)
     amax[r] = inverse_scale_e4m3_of_field(field);  // now the inverse unit
   }
 #pragma unroll
@@ -167,7 +200,7 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   for (int n = 0; n < kThreadQueries; ++n) {
     const int i0 = 4 * (n >> 1) + (n & 1);  // key r's register of listed query n; key r + 8: +2
     if constexpr (kDiagnostics) {
-      const float q_inverse = rows.q_inverse[listed_query(quad, n)];  // dS' to dS
+      const float q_inverse = rows.q_inverse[listed_query(quad, n)] * rows.dv_unit;  // dS'' to dS
       add_row_sums(diag, n, (dp[i0] + dp[i0 + 2]) * q_inverse,
                    (fabsf(dp[i0]) + fabsf(dp[i0 + 2])) * q_inverse, m0 + listed_query(quad, n),
                    length);
