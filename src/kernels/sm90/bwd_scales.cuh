@@ -92,7 +92,9 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
   const bool sees = valid && (!kCausal || g.m0 + r >= g.n0);
   const int e_q = in.e_q == kZeroGroupExponent ? kZeroRowFoldExponent : in.e_q;
   const int e_g = in.e_g[kRowWarp];
-  // P'' = P 2^fold, dV's operand; where fold is far below zero, P'' is zero in E4M3 either way.
+  // P'' = P 2^fold, dV's operand. Where a row's dO scale lies far below the tile's C, P'' (so
+  // dS'') flushes the entries with P < 2^-126 / 2^fold: negligible beside the row's P elsewhere,
+  // which sums to 1.
   const int fold = e_g - c_ref + kPOffsetLog2;
   float* run = dst.terms[(r % 8) / 2] + ((r / 8) * 2 + r % 2) * kRowTermFloats;
   run[0] = exp2i(e_q);

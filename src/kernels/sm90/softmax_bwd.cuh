@@ -131,10 +131,9 @@ __device__ __forceinline__ GroupPairTerms load_pair_terms(const QueryRows& rows,
 // return dp holds dS'' 2^e_k (dQ's operand before its row scale, which therefore comes out
 // 2^(e_q + 8 - C) too large: the dQ unit takes it back), ops the packed operands of dV and dK
 // (dK's units with 2^(C - 8)), and query_max the thread's |dS'' 2^e_k| maxima over its two keys
-// for each listed query. kMasked: keys past the
-// document or (causal) after the query, and queries past the document, get P = 0; unmasked tiles
-// lie inside the document. kDiagnostics: also counts into `diag` (the fast path compiles without
-// it).
+// for each listed query. kMasked: keys past the document or (causal) after the query, and queries
+// past the document, get P = 0; unmasked tiles lie inside the document. kDiagnostics: also counts
+// into `diag` (the fast path compiles without it).
 template <bool kMasked, bool kCausal, bool kDiagnostics, bool kE4m3Scores>
 __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)[kTileRegs],
                                               const QueryRows& rows, const KeyRows& kr, int quad,
