@@ -1,7 +1,6 @@
 // Per-query-row vectors of one backward step, staged in shared memory by two producer warps (DESIGN
-// §2, §4): the terms of P' and dS' (bwd_smem.cuh: the Q and dO scales in P's exponent), and the
-// fold of P'^T to dV's operand relative to the tile's reference exponent C (constant along dV's
-// contraction).
+// §2, §4): the terms of P'' and dS'' (bwd_smem.cuh: dO's scale and the tile's reference exponent C
+// of dV's fold in P's exponent, Q's scale in S's row factor), and the units that take them back.
 #pragma once
 
 #include <climits>
@@ -96,10 +95,10 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
   // dS'') flushes the entries with P < 2^-126 / 2^fold: negligible beside the row's P elsewhere,
   // which sums to 1.
   const int fold = e_g - c_ref + kPOffsetLog2;
-  float* run = dst.terms[(r % 8) / 2] + ((r / 8) * 2 + r % 2) * kRowTermFloats;
-  run[0] = exp2i(e_q);
-  run[1] = sees ? float(fold) - in.lse * kLog2e : -INFINITY;
-  run[2] = valid ? in.delta * exp2i(-e_g) : 0.0f;
+  float* terms = row_terms_of(dst, r);  // a RowTerms' fields in order
+  terms[0] = exp2i(e_q);
+  terms[1] = sees ? float(fold) - in.lse * kLog2e : -INFINITY;
+  terms[2] = valid ? in.delta * exp2i(-e_g) : 0.0f;
   dst.q_inverse[r] = valid ? exp2i(-e_q) : 0.0f;
   if (r == 0) dst.dv_unit = c_ref == INT_MIN ? 0.0f : exp2i(c_ref - kPOffsetLog2);
 }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "bf16_rows.cuh"
 #include "bwd_params.h"
 #include "flamia/formats.h"
 #include "mbarrier.cuh"
@@ -28,18 +29,25 @@ struct RowTerms {
   float delta;  // D 2^-e_dO; 0 outside the document
 };
 constexpr int kRowTermFloats = 3;
-constexpr int kQuadPositions = 4;
-constexpr int kQuadQueries = kBlockM / kQuadPositions;  // a thread's queries: 8 g + 2 quad + c
+constexpr int kQuadQueries = kBlockM / kQuadLanes;  // a thread's queries: 8 g + 2 quad + c
 // A quad position's queries in its order n = 2 g + c, three floats each, then a pad that puts the
 // four positions' 16-byte loads in distinct banks (a 208-byte stride: 20 words apart mod 32).
 constexpr int kQuadTermFloats = kQuadQueries * kRowTermFloats + 4;
 static_assert(kQuadTermFloats % 4 == 0, "16-byte loads");
 
 struct alignas(16) QueryRows {
-  float terms[kQuadPositions][kQuadTermFloats];
+  float terms[kQuadLanes][kQuadTermFloats];
   float q_inverse[kBlockM];  // 2^-e_q: with dv_unit, dS'' back to dS (dQ's row unit); 0 outside
   float dv_unit;  // 2^(C - 8), C = max e_dO over the tile's rows that see the key block; 0: none
 };
+
+// Where the tile's query r = 8 g + 2 quad + c keeps its RowTerms: place 2 g + c of quad position
+// quad's run (the order softmax_bwd.cuh's load_pair_terms reads).
+__device__ __forceinline__ float* row_terms_of(QueryRows& rows, int r) {
+  constexpr int kGroupQueries = 2 * kQuadLanes;  // an accumulator's 8-query column group
+  const int quad = (r % kGroupQueries) / 2, place = (r / kGroupQueries) * 2 + r % 2;
+  return rows.terms[quad] + place * kRowTermFloats;
+}
 
 // The dS tile's rows (queries) hold the key block's 128 keys, each 16 in transposed_slot order so
 // that it meets K's codes_t in the dQ product.
