@@ -199,10 +199,12 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   for (int n = 0; n < kThreadQueries; ++n) {
     const int i0 = 4 * (n >> 1) + (n & 1);  // key r's register of listed query n; key r + 8: +2
     if constexpr (kDiagnostics) {
-      const float q_inverse = rows.q_inverse[listed_query(quad, n)] * rows.dv_unit;  // dS'' to dS
-      add_row_sums(diag, n, (dp[i0] + dp[i0 + 2]) * q_inverse,
-                   (fabsf(dp[i0]) + fabsf(dp[i0 + 2])) * q_inverse, m0 + listed_query(quad, n),
-                   length);
+      // dS'' back to dS: 2^-e_q before 2^(C - 8), whose product may leave float's range (a row
+      // at the smallest exponent beside a large C) where each step alone stays inside it.
+      const float q_inverse = rows.q_inverse[listed_query(quad, n)], unit = rows.dv_unit;
+      add_row_sums(diag, n, (dp[i0] + dp[i0 + 2]) * q_inverse * unit,
+                   (fabsf(dp[i0]) + fabsf(dp[i0 + 2])) * q_inverse * unit,
+                   m0 + listed_query(quad, n), length);
     }
     dp[i0] *= kr.fold[0];
     dp[i0 + 2] *= kr.fold[1];
