@@ -200,7 +200,7 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
     const int i0 = 4 * (n >> 1) + (n & 1);  // key r's register of listed query n; key r + 8: +2
     if constexpr (kDiagnostics) {
       // dS'' back to dS: 2^-e_q before 2^(C - 8), whose product may leave float's range (a row
-      // at the smallest exponent beside a large C) where each step alone stays inside it.
+      // near the smallest exponent beside a large C) where each step alone stays inside it.
       const float q_inverse = rows.q_inverse[listed_query(quad, n)], unit = rows.dv_unit;
       add_row_sums(diag, n, (dp[i0] + dp[i0 + 2]) * q_inverse * unit,
                    (fabsf(dp[i0]) + fabsf(dp[i0 + 2])) * q_inverse * unit,
