@@ -62,12 +62,12 @@ struct BwdCase {
   // Every token t with t % zero_every == 3 gets an all-zero Q row, t % zero_every == 5 an
   // all-zero K row (all heads): the quantizer gives them the smallest exponent (2^-127).
   int zero_every = 0;
-  // Every token t with t % tiny_every == 2 gets its Q row scaled by 2^kTinyQueryLog2 (all heads;
-  // scale exponent about -119), and every dO element is scaled by 2^dout_scale_log2.
+  // Every token t with t % tiny_every == 2 % tiny_every gets its Q row scaled by 2^tiny_log2 (all
+  // heads), and every dO element is scaled by 2^dout_scale_log2.
   int tiny_every = 0;
+  int tiny_log2 = 0;
   int dout_scale_log2 = 0;
 };
-constexpr int kTinyQueryLog2 = -112;
 
 BwdCase deterministic_case(BwdCase c) {
   c.name += "Deterministic";
@@ -106,8 +106,8 @@ AttentionBatch make_batch(const BwdCase& c) {
     for (int64_t i = 0; i < n; ++i) x[i] = bf16::encode(std::ldexp(bf16::decode(x[i]), log2));
   };
   if (c.tiny_every > 0)
-    for (int64_t t = 2; t < b.tokens; t += c.tiny_every)
-      scale(b.q.data() + t * b.heads_q * kDim, b.heads_q * kDim, kTinyQueryLog2);
+    for (int64_t t = 2 % c.tiny_every; t < b.tokens; t += c.tiny_every)
+      scale(b.q.data() + t * b.heads_q * kDim, b.heads_q * kDim, c.tiny_log2);
   if (c.dout_scale_log2 != 0) scale(b.dout.data(), int64_t(b.dout.size()), c.dout_scale_log2);
   return b;
 }
@@ -159,9 +159,11 @@ TEST_P(GpuAttentionBwd, MatchesEmulatorWithinItsOwnError) {
 // reference exponent C about 23): 2^-e_q 2^(C - 8) is past float's range, so the kernels must
 // apply the two factors of a row's units one at a time.
 BwdCase tiny_queries_case() {
+  constexpr int kTinyQueryLog2 = -112;  // scale exponent about -119
   constexpr int kLargeGradientLog2 = 30;
   BwdCase c{"TinyQueriesLargeGradients", kOddDocs};
   c.tiny_every = 5;
+  c.tiny_log2 = kTinyQueryLog2;
   c.dout_scale_log2 = kLargeGradientLog2;
   return c;
 }
@@ -209,6 +211,15 @@ std::vector<BwdCase> cases() {
   zeros.recipe = Recipe::kMxfp8Qk16;
   v.push_back(zeros);
   v.push_back(tiny_queries_case());
+  // Every query at the smallest scale exponent with nonzero codes (clamped there, unlike an
+  // all-zero row's): its dK share must keep its own scale, as every row of a tile is that small.
+  BwdCase smallest{"SmallestExponentQueries", kOddDocs};
+  smallest.tiny_every = 1;
+  smallest.tiny_log2 = -122;
+  v.push_back(smallest);
+  smallest.name = "Qk16SmallestExponentQueries";
+  smallest.recipe = Recipe::kMxfp8Qk16;
+  v.push_back(smallest);
   return v;
 }
 

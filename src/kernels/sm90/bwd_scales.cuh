@@ -19,11 +19,6 @@ constexpr int kRowWarps = kBlockM / int(kWarpThreads);
 static_assert(kRowWarps * int(kWarpThreads) == kBlockM, "two warps cover a query tile");
 // P^T * 2^(e_dO - C + 8) <= 2^8: folds below 2^-kFoldFloorLog2 give E4M3 zero either way.
 constexpr int kFoldFloorLog2 = 64;
-// The exponent an all-zero Q row (kZeroGroupExponent, zero codes) folds into dS'' instead of its
-// own 2^-127, under which its dS (which still feeds dQ) left float's range. Any exponent gives its
-// dK share (zero codes) zero; this one keeps dS'' inside float's normal range and below the other
-// rows' in dK's key scales.
-constexpr int kZeroRowFoldExponent = -kFoldFloorLog2;
 constexpr uint8_t kUnitExponentCode = ue8m0::kBias;
 
 struct StepGeometry {
@@ -89,7 +84,10 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
   const int r = lane + kRowWarp * int(kWarpThreads);
   const bool valid = row_in_document(g, r);
   const bool sees = valid && (!kCausal || g.m0 + r >= g.n0);
-  const int e_q = in.e_q == kZeroGroupExponent ? kZeroRowFoldExponent : in.e_q;
+  // A row at the smallest exponent (all-zero, or clamped there) keeps its own 2^-127: the gradient
+  // forms P'' 2^e_q by a multiply, which keeps subnormals (ex2's flush would not), and its dK share
+  // must stay at its scale.
+  const int e_q = in.e_q;
   const int e_g = in.e_g[kRowWarp];
   // P'' = P 2^fold, dV's operand. Where a row's dO scale lies far below the tile's C, P'' (so
   // dS'') flushes the entries with P < 2^-126 / 2^fold: negligible beside the row's P elsewhere,

@@ -22,8 +22,8 @@ namespace flamia::sm90::bwd {
 // operand up to its key scale and a power of two uniform over the step (softmax_bwd.cuh). Three
 // floats a query: a thread's sixteen queries in twelve 16-byte loads (load_pair_terms).
 struct RowTerms {
-  float rf;     // 2^e_q (kZeroRowFoldExponent's for an all-zero row): S's row factor on E4M3 Q
-                // (the softmax scale rides on the key's) and Q's scale folded into dS^T for dK
+  float rf;     // 2^e_q: S's row factor on E4M3 Q (the softmax scale rides on the key's) and
+                // Q's scale folded into dS^T for dK
   float bias;   // e_dO - C + 8 - LSE * log2(e); -inf outside the document or where the row sees
                 // no key of the block
   float delta;  // D 2^-e_dO; 0 outside the document
