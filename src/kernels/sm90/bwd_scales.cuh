@@ -17,8 +17,6 @@ namespace flamia::sm90::bwd {
 // Two producer warps stage a query tile's rows, lane l of row warp w row l + 32 w.
 constexpr int kRowWarps = kBlockM / int(kWarpThreads);
 static_assert(kRowWarps * int(kWarpThreads) == kBlockM, "two warps cover a query tile");
-// P^T * 2^(e_dO - C + 8) <= 2^8: folds below 2^-kFoldFloorLog2 give E4M3 zero either way.
-constexpr int kFoldFloorLog2 = 64;
 constexpr uint8_t kUnitExponentCode = ue8m0::kBias;
 
 struct StepGeometry {
@@ -84,20 +82,19 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
   const int r = lane + kRowWarp * int(kWarpThreads);
   const bool valid = row_in_document(g, r);
   const bool sees = valid && (!kCausal || g.m0 + r >= g.n0);
-  // A row at the smallest exponent (all-zero, or clamped there) keeps its own 2^-127: the gradient
-  // forms P'' 2^e_q by a multiply, which keeps subnormals (ex2's flush would not), and its dK share
-  // must stay at its scale.
-  const int e_q = in.e_q;
   const int e_g = in.e_g[kRowWarp];
   // P'' = P 2^fold, dV's operand. Where a row's dO scale lies far below the tile's C, P'' (so
   // dS'') flushes the entries with P < 2^-126 / 2^fold: negligible beside the row's P elsewhere,
   // which sums to 1.
   const int fold = e_g - c_ref + kPOffsetLog2;
   float* terms = row_terms_of(dst, r);  // a RowTerms' fields in order
-  terms[0] = exp2i(e_q);
+  // A row at the smallest exponent (all-zero, or nonzero and clamped there) keeps its own 2^-127:
+  // the gradient forms P'' 2^e_q by a multiply, which keeps subnormals (ex2's flush would not),
+  // and the row's dK share must stay at its scale.
+  terms[0] = exp2i(in.e_q);
   terms[1] = sees ? float(fold) - in.lse * kLog2e : -INFINITY;
   terms[2] = valid ? in.delta * exp2i(-e_g) : 0.0f;
-  dst.q_inverse[r] = valid ? exp2i(-e_q) : 0.0f;
+  dst.q_inverse[r] = valid ? exp2i(-in.e_q) : 0.0f;
   if (r == 0) dst.dv_unit = c_ref == INT_MIN ? 0.0f : exp2i(c_ref - kPOffsetLog2);
 }
 
