@@ -213,9 +213,10 @@ std::vector<BwdCase> cases() {
   v.push_back(tiny_queries_case());
   // Every query at the smallest scale exponent with nonzero codes (clamped there, unlike an
   // all-zero row's): its dK share must keep its own scale, as every row of a tile is that small.
+  constexpr int kClampedQueryLog2 = -122;  // every row's scale exponent clamped at -127
   BwdCase smallest{"SmallestExponentQueries", kOddDocs};
   smallest.tiny_every = 1;
-  smallest.tiny_log2 = -122;
+  smallest.tiny_log2 = kClampedQueryLog2;
   v.push_back(smallest);
   smallest.name = "Qk16SmallestExponentQueries";
   smallest.recipe = Recipe::kMxfp8Qk16;
