@@ -87,14 +87,16 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
   // dS'') flushes the entries with P < 2^-126 / 2^fold: negligible beside the row's P elsewhere,
   // which sums to 1.
   const int fold = e_g - c_ref + kPOffsetLog2;
-  float* terms = row_terms_of(dst, r);  // a RowTerms' fields in order
   // A row at the smallest exponent (all-zero, or nonzero and clamped there) keeps its own 2^-127:
   // the gradient forms P'' 2^e_q by a multiply, which keeps subnormals (ex2's flush would not),
-  // and the row's dK share must stay at its scale.
+  // and the row's dK share must stay at its scale. The stores' order is ptxas's schedule of the
+  // producer's loop: q_inverse first measured 0.7 % faster for the whole kernel (docs/PERF.md,
+  // item 193).
+  dst.q_inverse[r] = valid ? exp2i(-in.e_q) : 0.0f;
+  float* terms = row_terms_of(dst, r);  // a RowTerms' fields in order
   terms[0] = exp2i(in.e_q);
   terms[1] = sees ? float(fold) - in.lse * kLog2e : -INFINITY;
   terms[2] = valid ? in.delta * exp2i(-e_g) : 0.0f;
-  dst.q_inverse[r] = valid ? exp2i(-in.e_q) : 0.0f;
   if (r == 0) dst.dv_unit = c_ref == INT_MIN ? 0.0f : exp2i(c_ref - kPOffsetLog2);
 }
 
