@@ -89,6 +89,18 @@ GpuAttentionOptions gpu_options(const BwdCase& c) {
   return o;
 }
 
+// The emulator with the kernels' tiles, on the case's numerics.
+EmulatorConfig emulator_config(const BwdCase& c) {
+  EmulatorConfig ec;
+  ec.recipe = c.recipe;
+  ec.policy = c.policy;
+  ec.hadamard = c.hadamard;
+  ec.attention.causal = c.causal;
+  ec.forward = kGpuForwardTiles;
+  ec.backward = kGpuBackwardTiles;
+  return ec;
+}
+
 AttentionBatch make_batch(const BwdCase& c) {
   InputSpec spec;
   spec.kind = c.inputs;
@@ -124,15 +136,8 @@ TEST_P(GpuAttentionBwd, MatchesEmulatorWithinItsOwnError) {
   FLAMIA_REQUIRE_GPU();
   const BwdCase& c = GetParam();
   const AttentionBatch b = make_batch(c);
-  EmulatorConfig ec;
-  ec.recipe = c.recipe;
-  ec.policy = c.policy;
-  ec.hadamard = c.hadamard;
-  ec.attention.causal = c.causal;
-  ec.forward = kGpuForwardTiles;
-  ec.backward = kGpuBackwardTiles;
   const AttentionOutputs<float> gpu = training_gpu_to_host(b, gpu_options(c));
-  const AttentionOutputs<float> emu = emulate(b, ec).out;
+  const AttentionOutputs<float> emu = emulate(b, emulator_config(c)).out;
   const AttentionOutputs<double> ref = reference_attention(b, AttentionConfig{c.causal});
   struct Grad {
     const char* name;
@@ -432,10 +437,7 @@ TEST(GpuAttentionBwdBuffers, StatisticsRowResidualsAreFiniteFractions) {
   for (const BwdCase& c : {BwdCase{"normal", kOddDocs}, tiny_queries_case()}) {
     SCOPED_TRACE(c.name);
     const AttentionBatch b = make_batch(c);
-    EmulatorConfig ec;
-    ec.forward = kGpuForwardTiles;
-    ec.backward = kGpuBackwardTiles;
-    const EmulatorStats emu = emulate(b, ec).stats;
+    const EmulatorStats emu = emulate(b, emulator_config(c)).stats;
     EmulatorStats gpu;
     training_gpu_to_host(b, gpu_options(c), &gpu);
     int64_t first_rows = 0;
