@@ -43,7 +43,8 @@ void backward_task(const Problem& p, int doc, int head_q, const AttentionOutputs
     const float* g = ops.g.row(i);
     float sum = 0.0f;
     for (int d = 0; d < dim; ++d) sum += (g[d] * unit) * o[d];
-    D[i] = sum;
+    // Staged as the kernel stages it (src/kernels/sm90/row_terms.h): D 2^-e_dO to kStagedDeltaBits.
+    D[i] = round_significand(sum * exp2i(-ops.g.exponent[i]), kStagedDeltaBits) * unit;
     lse2[i] = fwd.lse[size_t(head_q * T + begin + i)] * kLog2e;
   }
 

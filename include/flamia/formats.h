@@ -73,6 +73,19 @@ FLAMIA_HD uint32_t round_half_even(float q) {
   return whole;
 }
 
+// x rounded to `bits` significand bits (1 to 24), nearest with ties away from zero, in float's
+// exponent range: the bit pattern rounded at mantissa bit 24 - bits, which steps subnormals by
+// the same quantum as that format's and carries into the exponent (up to infinity) as it should.
+// NaN and infinities stay as they are.
+FLAMIA_HD float round_significand(float x, int bits) {
+  const uint32_t u = float_to_bits(x);
+  if ((u & kFloatAbsMask) >= kFloatInfBits) return x;
+  const int dropped = kFloatMantissaBits + 1 - bits;
+  if (dropped <= 0) return x;
+  const uint32_t low = (1u << dropped) - 1;
+  return bits_to_float((u + (1u << (dropped - 1))) & ~low);
+}
+
 namespace bf16 {
 struct Bits {
   uint16_t bits;

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <random>
@@ -431,7 +432,7 @@ TEST(GpuAttentionBwdBuffers, FastKernelsMatchTheStatisticsBuildBitwise) {
 // lie in [0, 1] by the triangle inequality: also for query rows near the smallest exponent beside
 // large gradients, whose dS the kernel holds scaled by 2^e_q 2^(8 - C) and scales back for the
 // sums. One per row with a nonzero dS, as the emulator's, but for each document's first row: it
-// sees one key, where dP - D is exactly zero in the emulator and a rounding residue on the GPU.
+// sees one key, where dP - D is zero or a rounding residue, in either of them.
 TEST(GpuAttentionBwdBuffers, StatisticsRowResidualsAreFiniteFractions) {
   FLAMIA_REQUIRE_GPU();
   for (const BwdCase& c : {BwdCase{"normal", kOddDocs}, tiny_queries_case()}) {
@@ -442,8 +443,9 @@ TEST(GpuAttentionBwdBuffers, StatisticsRowResidualsAreFiniteFractions) {
     training_gpu_to_host(b, gpu_options(c), &gpu);
     int64_t first_rows = 0;
     for (int64_t n : c.docs) first_rows += n > 0 ? b.heads_q : 0;
-    EXPECT_GE(gpu.row_residual.size(), emu.row_residual.size());
-    EXPECT_LE(gpu.row_residual.size(), emu.row_residual.size() + size_t(first_rows));
+    const int64_t gpu_rows = int64_t(gpu.row_residual.size());
+    const int64_t emu_rows = int64_t(emu.row_residual.size());
+    EXPECT_LE(std::abs(gpu_rows - emu_rows), first_rows);
     int64_t outside = 0;
     for (double r : gpu.row_residual) outside += !(r >= 0.0 && r <= 1.0);
     EXPECT_EQ(outside, 0) << "residuals that are not finite fractions";

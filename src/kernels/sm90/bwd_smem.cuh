@@ -12,6 +12,7 @@
 #include "bwd_params.h"
 #include "flamia/formats.h"
 #include "mbarrier.cuh"
+#include "row_terms.h"
 #include "wgmma.cuh"
 
 namespace flamia::sm90::bwd {
@@ -19,19 +20,20 @@ namespace flamia::sm90::bwd {
 // Per query row of a tile, staged by the producer (bwd_scales.cuh). dO's row scale and dV's fold
 // reference C enter P's exponent, so the gradient works on P'' = P 2^(e_dO - C + 8), which is dV's
 // operand as it stands, and dS'' = P'' (dP 2^e_v - D 2^-e_dO) 2^e_q = dS 2^e_q 2^(8 - C), dK's
-// operand up to its key scale and a power of two uniform over the step (softmax_bwd.cuh). Three
-// floats a query: a thread's sixteen queries in twelve 16-byte loads (load_pair_terms).
+// operand up to its key scale and a power of two uniform over the step (softmax_bwd.cuh).
 struct RowTerms {
   float rf;     // 2^e_q: S's row factor on E4M3 Q (the softmax scale rides on the key's) and
                 // Q's scale folded into dS^T for dK
   float bias;   // e_dO - C + 8 - LSE * log2(e); -inf outside the document or where the row sees
                 // no key of the block
-  float delta;  // D 2^-e_dO; 0 outside the document
+  float delta;  // D 2^-e_dO to kStagedDeltaBits; 0 outside the document
 };
-constexpr int kRowTermFloats = 3;
+// Staged as two floats a query, bias and delta with rf in its low bits (row_terms.h): a thread's
+// sixteen queries in eight 16-byte loads (load_pair_terms).
+constexpr int kRowTermFloats = 2;
 constexpr int kQuadQueries = kBlockM / kQuadLanes;  // a thread's queries: 8 g + 2 quad + c
-// A quad position's queries in its order n = 2 g + c, three floats each, then a pad that puts the
-// four positions' 16-byte loads in distinct banks (a 208-byte stride: 20 words apart mod 32).
+// A quad position's queries in its order n = 2 g + c, two floats each, then a pad that puts the
+// four positions' 16-byte loads in distinct banks (a 144-byte stride: 4 words apart mod 32).
 constexpr int kQuadTermFloats = kQuadQueries * kRowTermFloats + 4;
 static_assert(kQuadTermFloats % 4 == 0, "16-byte loads");
 

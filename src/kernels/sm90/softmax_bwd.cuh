@@ -101,7 +101,7 @@ __device__ __forceinline__ bool rounds_to_zero(float x) {
 }
 
 // A thread's RowTerms: its quad position's run of sixteen queries (8 g + 2 quad + c in the order
-// 2 g + c), three floats each, read for two column groups at a time: three 16-byte loads.
+// 2 g + c), two floats each, read for two column groups at a time: two 16-byte loads.
 constexpr int kPairChunks = 2 * 2 * kRowTermFloats / 4;
 static_assert(2 * 2 * kRowTermFloats % 4 == 0, "a pair of groups in whole 16-byte chunks");
 struct GroupPairTerms {
@@ -115,7 +115,7 @@ struct GroupPairTerms {
       const float4& v = chunk[f / 4];
       w[j] = f % 4 == 0 ? v.x : f % 4 == 1 ? v.y : f % 4 == 2 ? v.z : v.w;
     }
-    return {w[0], w[1], w[2]};
+    return {unpack_row_factor(w[1]), w[0], unpack_delta(w[1])};
   }
 };
 __device__ __forceinline__ GroupPairTerms load_pair_terms(const QueryRows& rows, int quad,
