@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "emulator_internal.h"
+#include "flamia/row_terms.h"
 
 namespace flamia::emu {
 namespace {
@@ -43,8 +44,9 @@ void backward_task(const Problem& p, int doc, int head_q, const AttentionOutputs
     const float* g = ops.g.row(i);
     float sum = 0.0f;
     for (int d = 0; d < dim; ++d) sum += (g[d] * unit) * o[d];
-    // Staged as the kernel stages it (src/kernels/sm90/row_terms.h): D 2^-e_dO to kStagedDeltaBits.
-    D[i] = round_significand(sum * exp2i(-ops.g.exponent[i]), kStagedDeltaBits) * unit;
+    // As the kernel stages it: flamia/row_terms.h's delta word, D 2^-e_dO to
+    // kStagedDeltaBits with Q's row factor in the low bits.
+    D[i] = delta_word(sum * exp2i(-ops.g.exponent[i]), exp2i(ops.q8.exponent[i])) * unit;
     lse2[i] = fwd.lse[size_t(head_q * T + begin + i)] * kLog2e;
   }
 

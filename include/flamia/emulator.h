@@ -45,9 +45,6 @@ struct TileShape {
 };
 
 constexpr int kPOffsetLog2 = 8;  // P <= 2^8 before the V fold: within E4M3's 448 with headroom
-// Significand bits of D 2^-e_dO as the backward stages it: the low bits of the float carry Q's
-// row factor (src/kernels/sm90/row_terms.h), and the emulator rounds D alike.
-constexpr int kStagedDeltaBits = 14;
 
 struct EmulatorConfig {
   Recipe recipe = Recipe::kMxfp8;

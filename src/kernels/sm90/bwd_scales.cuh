@@ -93,9 +93,9 @@ __device__ __forceinline__ void stage_query_rows(QueryRows& dst, const Params& p
   // producer's loop: q_inverse first measured 0.7 % faster for the whole kernel (docs/PERF.md,
   // item 193).
   dst.q_inverse[r] = valid ? exp2i(-in.e_q) : 0.0f;
-  float* terms = row_terms_of(dst, r);  // bias, then delta with rf (bwd_smem.cuh)
+  float* terms = row_terms_of(dst, r);  // bias, then the delta word (bwd_smem.cuh)
   terms[0] = sees ? float(fold) - in.lse * kLog2e : -INFINITY;
-  terms[1] = pack_delta_row_factor(valid ? in.delta * exp2i(-e_g) : 0.0f, exp2i(in.e_q));
+  terms[1] = delta_word(valid ? in.delta * exp2i(-e_g) : 0.0f, exp2i(in.e_q));
   if (r == 0) dst.dv_unit = c_ref == INT_MIN ? 0.0f : exp2i(c_ref - kPOffsetLog2);
 }
 

@@ -11,8 +11,8 @@
 #include "bf16_rows.cuh"
 #include "bwd_params.h"
 #include "flamia/formats.h"
+#include "flamia/row_terms.h"
 #include "mbarrier.cuh"
-#include "row_terms.h"
 #include "wgmma.cuh"
 
 namespace flamia::sm90::bwd {
@@ -26,10 +26,11 @@ struct RowTerms {
                 // Q's scale folded into dS^T for dK
   float bias;   // e_dO - C + 8 - LSE * log2(e); -inf outside the document or where the row sees
                 // no key of the block
-  float delta;  // D 2^-e_dO to kStagedDeltaBits; 0 outside the document
+  float delta;  // D 2^-e_dO to kStagedDeltaBits, rf in its low bits; 0 (and rf) outside the
+                // document
 };
-// Staged as two floats a query, bias and delta with rf in its low bits (row_terms.h): a thread's
-// sixteen queries in eight 16-byte loads (load_pair_terms).
+// Staged as two floats a query, bias and the delta word, which carries rf (row_terms.h): a
+// thread's sixteen queries in eight 16-byte loads (load_pair_terms).
 constexpr int kRowTermFloats = 2;
 constexpr int kQuadQueries = kBlockM / kQuadLanes;  // a thread's queries: 8 g + 2 quad + c
 // A quad position's queries in its order n = 2 g + c, two floats each, then a pad that puts the

@@ -115,7 +115,7 @@ struct GroupPairTerms {
       const float4& v = chunk[f / 4];
       w[j] = f % 4 == 0 ? v.x : f % 4 == 1 ? v.y : f % 4 == 2 ? v.z : v.w;
     }
-    return {unpack_row_factor(w[1]), w[0], unpack_delta(w[1])};
+    return {row_factor_of(w[1]), w[0], w[1]};
   }
 };
 __device__ __forceinline__ GroupPairTerms load_pair_terms(const QueryRows& rows, int quad,
