@@ -72,8 +72,8 @@ std::vector<float> deltas() {
 
 TEST(RowTerms, EveryRowFactorAndDeltaComeBack) {
   const std::vector<float> v = deltas();
-  constexpr double kWordError = 1.0 / (1 << 14);  // of a normal delta's magnitude
-  constexpr double kWordErrorAtZero = 1.0e-42;    // below 2^-140 where the delta is 0
+  const double kWordError = std::ldexp(1.0, -14);         // of a normal delta's magnitude
+  const double kWordErrorAtZero = std::ldexp(1.0, -140);  // where the delta is 0
   int64_t wrong_factor = 0, wrong_delta = 0, far_word = 0, checked = 0;
   for (int e = kMinRowFactorExponent; e <= kMaxRowFactorExponent; ++e) {
     const float rf = exp2i(e);
