@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -19,12 +18,6 @@
 
 namespace flamia {
 namespace {
-
-uint32_t bits_of(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-}
 
 // x to `bits` significand bits, nearest with ties away from zero, with float's exponent range:
 // the quantum of x's binade (or the subnormal one) in double, where every step is exact.
@@ -61,7 +54,7 @@ std::vector<float> deltas() {
   }
   const int dropped = kFloatMantissaBits + 1 - kStagedDeltaBits;
   for (int e = kSmallestExponent; e <= kFloatBias; e += kExponentStep) {
-    const uint32_t base = bits_of(exp2i(e));
+    const uint32_t base = float_to_bits(exp2i(e));
     v.push_back(bits_to_float(base | (1u << (dropped - 1))));         // a tie
     v.push_back(bits_to_float(base | ((1u << dropped) - 1)));         // rounds up
     v.push_back(bits_to_float(base | kFloatMantissaMask));            // into the next binade
@@ -80,8 +73,8 @@ TEST(RowTerms, EveryRowFactorAndDeltaComeBack) {
     for (const float d : v) {
       const float word = delta_word(d, rf);
       const float want = nearest_with_bits(d, kStagedDeltaBits);
-      wrong_factor += bits_of(row_factor_of(word)) != bits_of(rf);
-      wrong_delta += (bits_of(word) & ~kRowFactorMask) != bits_of(want);
+      wrong_factor += float_to_bits(row_factor_of(word)) != float_to_bits(rf);
+      wrong_delta += (float_to_bits(word) & ~kRowFactorMask) != float_to_bits(want);
       if (std::isfinite(want) && std::fabs(want) >= std::numeric_limits<float>::min())
         far_word += std::fabs(double(word) - double(want)) > kWordError * std::fabs(double(want));
       else if (want == 0.0f)
@@ -100,7 +93,7 @@ TEST(RowTerms, EveryRowFactorAndDeltaComeBack) {
 // The range is as wide as it can be: the next smaller power of two has a bit below the shift.
 TEST(RowTerms, RangeEndsWhereBitsWouldBeLost) {
   const float below = exp2i(kMinRowFactorExponent - 1);
-  EXPECT_NE(bits_of(row_factor_of(delta_word(1.0f, below))), bits_of(below));
+  EXPECT_NE(float_to_bits(row_factor_of(delta_word(1.0f, below))), float_to_bits(below));
   EXPECT_EQ(kMinRowFactorExponent, ue8m0::kMinExponent);
   EXPECT_EQ(kMaxRowFactorExponent, ue8m0::kMaxExponent);
 }
@@ -111,16 +104,18 @@ TEST(RoundSignificand, MatchesTheNearestValueAtEveryWidth) {
     SCOPED_TRACE(bits);
     int64_t wrong = 0;
     for (const float x : v)
-      wrong += bits_of(round_significand(x, bits)) != bits_of(nearest_with_bits(x, bits));
+      wrong +=
+          float_to_bits(round_significand(x, bits)) != float_to_bits(nearest_with_bits(x, bits));
     EXPECT_EQ(wrong, 0);
   }
 }
 
 TEST(RoundSignificand, KeepsNonFiniteValues) {
   for (const float x : {INFINITY, -INFINITY})
-    EXPECT_EQ(bits_of(round_significand(x, 14)), bits_of(x));
+    EXPECT_EQ(float_to_bits(round_significand(x, 14)), float_to_bits(x));
   EXPECT_TRUE(std::isnan(round_significand(std::numeric_limits<float>::quiet_NaN(), 14)));
-  EXPECT_EQ(bits_of(round_significand(std::numeric_limits<float>::max(), 14)), bits_of(INFINITY));
+  EXPECT_EQ(float_to_bits(round_significand(std::numeric_limits<float>::max(), 14)),
+            float_to_bits(INFINITY));
 }
 
 }  // namespace
