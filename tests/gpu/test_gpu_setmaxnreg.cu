@@ -1,7 +1,8 @@
 // setmaxnreg: a producer warpgroup gives registers back and two consumer warpgroups take them,
 // under the __launch_bounds__(384, 1) entry cap the instruction needs. The consumers then run a
 // register-hungry unrolled computation whose results the host checks, and the kernel must use no
-// local memory.
+// local memory. And the entry cap of a CTA that is not whole warpgroups (entry_register_cap): what
+// ptxas gives it and what the SM launches.
 #include <cstdint>
 #include <vector>
 
@@ -81,6 +82,67 @@ TEST(GpuSetmaxnreg, WarpSpecialisedKernelRunsWithoutLocalMemory) {
         t < kProducerWarpgroups * sm90::kWarpgroupThreads ? kProducerMark + t : consumer_result(t);
     ASSERT_EQ(got[t], want) << "thread " << t;
   }
+}
+
+// 288 threads put three warps on sub-partition 0: the same cap as 384 threads. 8 registers a
+// thread more still fit the SM's file as a whole but not that sub-partition's quarter.
+constexpr uint32_t kNineWarps = 2 * sm90::kWarpgroupThreads + sm90::kWarpThreads;
+constexpr uint32_t kNineWarpCap = sm90::entry_register_cap(kNineWarps);
+constexpr uint32_t kOverCap = kNineWarpCap + sm90::kMaxnregGranule;
+static_assert(kNineWarps * kOverCap <= sm90::kRegistersPerSm, "fits the whole file");
+constexpr int kHungryLive = 184;  // more values than either kernel's registers hold
+constexpr int kHungryRounds = 2;
+
+__host__ __device__ inline uint32_t hungry_result(uint32_t seed) {
+  uint32_t v[kHungryLive];
+  for (int i = 0; i < kHungryLive; ++i) v[i] = seed * 2246822519u + uint32_t(i);
+  for (int r = 0; r < kHungryRounds; ++r)
+    for (int i = 0; i < kHungryLive; ++i) v[i] = mix(v[i], v[(i + 3 + r) % kHungryLive]);
+  uint32_t h = 0;
+  for (int i = 0; i < kHungryLive; ++i) h = h * 31 + v[i];
+  return h;
+}
+
+__device__ __forceinline__ void hungry_body(uint32_t* out) {
+  uint32_t v[kHungryLive];
+#pragma unroll
+  for (int i = 0; i < kHungryLive; ++i) v[i] = threadIdx.x * 2246822519u + uint32_t(i);
+#pragma unroll
+  for (int r = 0; r < kHungryRounds; ++r)
+#pragma unroll
+    for (int i = 0; i < kHungryLive; ++i) v[i] = mix(v[i], v[(i + 3 + r) % kHungryLive]);
+  uint32_t h = 0;
+#pragma unroll
+  for (int i = 0; i < kHungryLive; ++i) h = h * 31 + v[i];
+  out[threadIdx.x] = h;
+}
+
+__global__ void __launch_bounds__(kNineWarps, 1) nine_warps_bounded(uint32_t* out) {
+  hungry_body(out);
+}
+
+__global__ void __maxnreg__(kOverCap) nine_warps_over(uint32_t* out) {
+  hungry_body(out);
+}
+
+TEST(GpuSetmaxnreg, EntryCapCountsTheBusiestSubPartition) {
+  FLAMIA_REQUIRE_GPU();
+  cudaFuncAttributes attr{};
+  FLAMIA_CUDA_CHECK(cudaFuncGetAttributes(&attr, nine_warps_bounded));
+  EXPECT_EQ(uint32_t(attr.numRegs), kNineWarpCap) << "ptxas's entry cap for 288 threads";
+  DeviceBuffer<uint32_t> out(kNineWarps);
+  out.poison();
+  nine_warps_bounded<<<1, kNineWarps>>>(out.get());
+  test::sync_checked();
+  const std::vector<uint32_t> got = out.download();
+  for (uint32_t t = 0; t < kNineWarps; ++t) ASSERT_EQ(got[t], hungry_result(t)) << "thread " << t;
+
+  FLAMIA_CUDA_CHECK(cudaFuncGetAttributes(&attr, nine_warps_over));
+  ASSERT_EQ(uint32_t(attr.numRegs), kOverCap) << "the kernel must need its whole budget";
+  nine_warps_over<<<1, kNineWarps>>>(out.get());
+  EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchOutOfResources)
+      << kNineWarps << " threads of " << kOverCap << " registers launched";
+  FLAMIA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 }  // namespace

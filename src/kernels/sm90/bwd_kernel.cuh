@@ -27,7 +27,9 @@ static_assert(kConsumerWarpgroups * wgmma::kM == kBlockN, "each consumer owns 64
 // Registers: a consumer holds dK and dV (two halves each), dS of the step, one fresh product tile
 // and the packed operands (S^T and dP^T are live together only before the packing). The producer
 // warpgroup takes the minimum, which leaves the consumers 240: at 232 their step loop reloaded a
-// spill, at 240 it has none (the backward on 1x65536 is 3 % faster, docs/PERF.md item 172). On 24,
+// spill, at 240 it has none (the backward on 1x65536 is 3 % faster, docs/PERF.md item 172). A
+// producer of one warp would leave them no more: it shares a sub-partition's registers with two
+// consumer warps (24 + 2 x 248 > 512, setmaxnreg.cuh; item 205). On 24,
 // one warp staging all 64 rows spilled about 50 local accesses a step (item 128); with a row a
 // lane over two warps, each reloads a few loop variables (4-9 local accesses a step, off
 // the consumers' path).

@@ -13,6 +13,10 @@
 namespace flamia::sm90 {
 
 constexpr uint32_t kRegistersPerSm = 64 * 1024;
+// An SM's register file is split among its four sub-partitions (warp schedulers); warp w runs on
+// sub-partition w % 4 and takes its registers from that one's quarter.
+constexpr uint32_t kSubPartitions = 4;
+constexpr uint32_t kRegistersPerSubPartition = kRegistersPerSm / kSubPartitions;
 constexpr uint32_t kMaxnregMin = 24;
 constexpr uint32_t kMaxnregMax = 256;
 constexpr uint32_t kMaxnregGranule = 8;
@@ -21,9 +25,15 @@ constexpr bool maxnreg_valid(uint32_t regs) {
   return regs >= kMaxnregMin && regs <= kMaxnregMax && regs % kMaxnregGranule == 0;
 }
 
-// Registers per thread that ptxas may use at entry for `threads` threads and one CTA per SM.
+// Registers per thread that ptxas may use at entry for `threads` threads and one CTA per SM: the
+// busiest sub-partition's warps share its quarter of the file. For whole warpgroups that is the
+// file over the threads; a ninth warp costs as much as a fourth warpgroup (288 threads: 168, not
+// 65536 / 288), so no single producer warp can free registers beside two consumer warpgroups that
+// a producer warpgroup could not (docs/PERF.md, item 205).
 constexpr uint32_t entry_register_cap(uint32_t threads) {
-  return kRegistersPerSm / threads / kMaxnregGranule * kMaxnregGranule;
+  const uint32_t warps = (threads + kWarpThreads - 1) / kWarpThreads;
+  const uint32_t busiest = (warps + kSubPartitions - 1) / kSubPartitions;
+  return kRegistersPerSubPartition / (busiest * kWarpThreads) / kMaxnregGranule * kMaxnregGranule;
 }
 
 // The CTA's registers are those allocated at launch, entry_register_cap per thread, not the whole
@@ -71,5 +81,8 @@ static_assert(consumer_register_budget(1, 40, 2) == 232 &&
               "launch pool of three warpgroups");
 // 4 warpgroups: 128 per thread at launch, so 32 + 3 x 160 fits.
 static_assert(consumer_register_budget(1, 32, 3) == 160, "launch pool of four warpgroups");
+// Two warpgroups and one more warp: three warps on one sub-partition, as with three warpgroups.
+static_assert(entry_register_cap(2 * kWarpgroupThreads + kWarpThreads) == entry_register_cap(384),
+              "a ninth warp");
 
 }  // namespace flamia::sm90
