@@ -35,13 +35,20 @@ __host__ __device__ inline uint32_t mix(uint32_t x, uint32_t y) {
   return (x ^ (y >> 3)) * 9 + y;
 }
 
-__host__ __device__ inline uint32_t consumer_result(uint32_t seed) {
-  uint32_t v[kLive];
-  for (int i = 0; i < kLive; ++i) v[i] = seed * 2654435761u + uint32_t(i);
-  for (int r = 0; r < kMixRounds; ++r)
-    for (int i = 0; i < kLive; ++i) v[i] = mix(v[i], v[(i + 1 + r) % kLive]);
+// kValues values live at once, mixed kRounds times and hashed: register-hungry on the device,
+// and the host's reference for the same seed.
+template <int kValues, int kRounds>
+__host__ __device__ inline uint32_t mixed_hash(uint32_t seed) {
+  uint32_t v[kValues];
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) v[i] = seed * 2654435761u + uint32_t(i);
+#pragma unroll
+  for (int r = 0; r < kRounds; ++r)
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) v[i] = mix(v[i], v[(i + 1 + r) % kValues]);
   uint32_t h = 0;
-  for (int i = 0; i < kLive; ++i) h = h * 31 + v[i];
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) h = h * 31 + v[i];
   return h;
 }
 
@@ -51,17 +58,7 @@ __global__ void __launch_bounds__(kThreads, 1) split_kernel(uint32_t* out) {
     out[threadIdx.x] = kProducerMark + threadIdx.x;
   } else {
     sm90::setmaxnreg_inc<kConsumerRegs>();
-    uint32_t v[kLive];
-#pragma unroll
-    for (int i = 0; i < kLive; ++i) v[i] = threadIdx.x * 2654435761u + uint32_t(i);
-#pragma unroll
-    for (int r = 0; r < kMixRounds; ++r)
-#pragma unroll
-      for (int i = 0; i < kLive; ++i) v[i] = mix(v[i], v[(i + 1 + r) % kLive]);
-    uint32_t h = 0;
-#pragma unroll
-    for (int i = 0; i < kLive; ++i) h = h * 31 + v[i];
-    out[threadIdx.x] = h;
+    out[threadIdx.x] = mixed_hash<kLive, kMixRounds>(threadIdx.x);
   }
 }
 
@@ -78,8 +75,9 @@ TEST(GpuSetmaxnreg, WarpSpecialisedKernelRunsWithoutLocalMemory) {
   test::sync_checked();
   const std::vector<uint32_t> got = out.download();
   for (uint32_t t = 0; t < kThreads; ++t) {
-    const uint32_t want =
-        t < kProducerWarpgroups * sm90::kWarpgroupThreads ? kProducerMark + t : consumer_result(t);
+    const uint32_t want = t < kProducerWarpgroups * sm90::kWarpgroupThreads
+                              ? kProducerMark + t
+                              : mixed_hash<kLive, kMixRounds>(t);
     ASSERT_EQ(got[t], want) << "thread " << t;
   }
 }
@@ -93,36 +91,12 @@ static_assert(kNineWarps * kOverCap <= sm90::kRegistersPerSm, "fits the whole fi
 constexpr int kHungryLive = 184;  // more values than either kernel's registers hold
 constexpr int kHungryRounds = 2;
 
-__host__ __device__ inline uint32_t hungry_result(uint32_t seed) {
-  uint32_t v[kHungryLive];
-  for (int i = 0; i < kHungryLive; ++i) v[i] = seed * 2246822519u + uint32_t(i);
-  for (int r = 0; r < kHungryRounds; ++r)
-    for (int i = 0; i < kHungryLive; ++i) v[i] = mix(v[i], v[(i + 3 + r) % kHungryLive]);
-  uint32_t h = 0;
-  for (int i = 0; i < kHungryLive; ++i) h = h * 31 + v[i];
-  return h;
-}
-
-__device__ __forceinline__ void hungry_body(uint32_t* out) {
-  uint32_t v[kHungryLive];
-#pragma unroll
-  for (int i = 0; i < kHungryLive; ++i) v[i] = threadIdx.x * 2246822519u + uint32_t(i);
-#pragma unroll
-  for (int r = 0; r < kHungryRounds; ++r)
-#pragma unroll
-    for (int i = 0; i < kHungryLive; ++i) v[i] = mix(v[i], v[(i + 3 + r) % kHungryLive]);
-  uint32_t h = 0;
-#pragma unroll
-  for (int i = 0; i < kHungryLive; ++i) h = h * 31 + v[i];
-  out[threadIdx.x] = h;
-}
-
 __global__ void __launch_bounds__(kNineWarps, 1) nine_warps_bounded(uint32_t* out) {
-  hungry_body(out);
+  out[threadIdx.x] = mixed_hash<kHungryLive, kHungryRounds>(threadIdx.x);
 }
 
 __global__ void __maxnreg__(kOverCap) nine_warps_over(uint32_t* out) {
-  hungry_body(out);
+  out[threadIdx.x] = mixed_hash<kHungryLive, kHungryRounds>(threadIdx.x);
 }
 
 TEST(GpuSetmaxnreg, EntryCapCountsTheBusiestSubPartition) {
@@ -135,7 +109,8 @@ TEST(GpuSetmaxnreg, EntryCapCountsTheBusiestSubPartition) {
   nine_warps_bounded<<<1, kNineWarps>>>(out.get());
   test::sync_checked();
   const std::vector<uint32_t> got = out.download();
-  for (uint32_t t = 0; t < kNineWarps; ++t) ASSERT_EQ(got[t], hungry_result(t)) << "thread " << t;
+  for (uint32_t t = 0; t < kNineWarps; ++t)
+    ASSERT_EQ(got[t], (mixed_hash<kHungryLive, kHungryRounds>(t))) << "thread " << t;
 
   FLAMIA_CUDA_CHECK(cudaFuncGetAttributes(&attr, nine_warps_over));
   ASSERT_EQ(uint32_t(attr.numRegs), kOverCap) << "the kernel must need its whole budget";
