@@ -763,7 +763,7 @@ int bench_attention(int argc, char** argv, int first) {
        {"peers", "all",
         "cuDNN peers to time in the same run: bf16, fp8 (comma-separated), all, or none"},
        {"deterministic", "",
-        "also time each recipe's backward with deterministic dQ (ordered accumulation)", true},
+        "also time each recipe's backward with deterministic dQ (summed in key-block order)", true},
        {"hadamard", "",
         "flamia with Q and K Hadamard-rotated (quantizer, kernels, dQ and dK rotated back; mxfp8 "
         "only: pass --recipes mxfp8)",

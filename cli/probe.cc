@@ -71,7 +71,7 @@ Table probe_table(const Problem& problem, const ProbeRun& run) {
     cfg.target_doc = doc;
     cfg.prefix_end = p;
     GpuVariant variant = variants[k];
-    variant.deterministic = true;  // the bitwise contract needs an ordered dQ reduction
+    variant.deterministic = true;  // the bitwise contract needs dQ summed in a fixed order
     const std::vector<ProbeOutcome> outcomes =
         gpu ? run_probe(batch, cfg, run.controls,
                         [&](const AttentionBatch& b) {

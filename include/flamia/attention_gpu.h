@@ -34,8 +34,10 @@ struct GpuAttentionOptions {
   // Rotate Q, K along the head dim before quantizing (mxfp8 only); dQ and dK are rotated back.
   bool hadamard = false;
   AttentionConfig attention;
-  // Backward: add dQ partials in key-block order instead of unordered atomics, so dQ is bitwise
-  // reproducible run to run (and a prefix's dQ bitwise independent of its suffix); slower.
+  // Backward: dQ summed over the key blocks in ascending order instead of by unordered atomics, so
+  // dQ is bitwise reproducible run to run (and a prefix's dQ bitwise independent of its suffix).
+  // mxfp8 runs the split backward for it (a dK/dV pass, then a query-stationary dQ pass that keeps
+  // dQ in registers); mxfp8-qk16 and Hadamard rotation order the dQ reductions (slower).
   bool deterministic = false;
   // Backward: also gather DESIGN §4's statistics (dS zero fractions, row residuals, P^T
   // underflow) for backward_diagnostics(); slower, for `flamia accuracy`.

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attention_internal.h"
+#include "dq_params.h"
 
 namespace flamia {
 namespace sm90::bwd {
@@ -48,6 +49,27 @@ std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal
   return items;
 }
 
+namespace dqpass {
+
+std::vector<DqWorkItem> dq_work_list(const PackedLayout& layout, bool causal) {
+  std::vector<DqWorkItem> items;
+  for (int doc = 0; doc < layout.num_docs; ++doc) {
+    const int length = int(layout.doc_length(doc));
+    const int blocks = (length + kBlockN - 1) / kBlockN;
+    for (int head = 0; head < layout.heads_q; ++head)
+      for (int qb = 0; qb * kItemRows < length; ++qb) {
+        // Causal: the key blocks up to the one holding the item's last row.
+        const int last_row = std::min(length - 1, (qb + 1) * kItemRows - 1);
+        items.push_back({doc, qb, head, causal ? last_row / kBlockN + 1 : blocks});
+      }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const DqWorkItem& a, const DqWorkItem& b) {
+    return a.key_blocks > b.key_blocks;
+  });
+  return items;
+}
+
+}  // namespace dqpass
 }  // namespace sm90::bwd
 
 namespace {
@@ -61,11 +83,17 @@ static_assert(kGpuBackwardTiles.block_m == kBlockM && kGpuBackwardTiles.block_n 
               "the emulator's tiles must be the kernel's");
 
 // The main kernel's instantiation for the mask, the dQ addition, diagnostics and the rotation
-// (mxfp8 only: check_gpu_support).
+// (mxfp8 only: check_gpu_support); `split`: the split backward's dK/dV pass (mxfp8).
 template <ScoreOperand kScore, bool kCausal>
-void launch_main_kernel(const sm90::bwd::Params& p, int ctas, cudaStream_t stream) {
+void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool split, cudaStream_t stream) {
   using namespace sm90::bwd;
-  if (p.diagnostics != nullptr) {
+  if (split) {
+    if constexpr (kScore == ScoreOperand::kE4m3) {
+      launch_backward<kScore, kCausal, DqAddition::kNone>(p, ctas, stream);
+    } else {
+      reject("the split backward is built for mxfp8 only");
+    }
+  } else if (p.diagnostics != nullptr) {
     launch_backward_diagnostics<kScore, kCausal>(p, ctas, stream);
   } else if (p.dk_rotated != nullptr) {
     if constexpr (kScore == ScoreOperand::kE4m3) {
@@ -76,21 +104,25 @@ void launch_main_kernel(const sm90::bwd::Params& p, int ctas, cudaStream_t strea
       reject("Hadamard rotation is built for mxfp8 only");
     }
   } else if (p.dq_turns != nullptr) {
-    launch_backward<kScore, kCausal, DqAddition::kOrdered>(p, ctas, stream);
+    if constexpr (kScore == ScoreOperand::kBf16) {
+      launch_backward<kScore, kCausal, DqAddition::kOrdered>(p, ctas, stream);
+    } else {
+      reject("mxfp8's deterministic mode runs the split backward");
+    }
   } else {
     launch_backward<kScore, kCausal, DqAddition::kBulk>(p, ctas, stream);
   }
 }
 
 // ... and for the recipe.
-void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool qk16, bool causal,
+void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool qk16, bool causal, bool split,
                         cudaStream_t stream) {
   if (qk16) {
     (causal ? launch_main_kernel<ScoreOperand::kBf16, true>
-            : launch_main_kernel<ScoreOperand::kBf16, false>)(p, ctas, stream);
+            : launch_main_kernel<ScoreOperand::kBf16, false>)(p, ctas, split, stream);
   } else {
     (causal ? launch_main_kernel<ScoreOperand::kE4m3, true>
-            : launch_main_kernel<ScoreOperand::kE4m3, false>)(p, ctas, stream);
+            : launch_main_kernel<ScoreOperand::kE4m3, false>)(p, ctas, split, stream);
   }
 }
 
@@ -146,14 +178,27 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     b->counter = cuda::DeviceBuffer(sizeof(int));
     const int64_t rows = pl.tokens * pl.heads_q;
     b->delta = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
+    // mxfp8's deterministic mode: the split backward, whose dQ pass sums dQ in registers in the
+    // ordered mode's order (dq_params.h). With Hadamard rotation (dQ rotated back by the
+    // postprocess) or the statistics build it keeps the ordered dQ additions.
+    b->split = m.options.deterministic && !qk16 && !m.options.hadamard && !m.options.diagnostics;
     b->dq_slots = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
     const size_t slots = size_t(b->dq_slots) * pl.heads_q;
     // The kernel indexes the slots with 32 bits (StepItem::dq_slot0).
     if (slots > size_t(INT32_MAX)) reject("too many dQ accumulator slots (heads x query tiles)");
-    b->dq_accum = cuda::DeviceBuffer(slots * sm90::bwd::kDqSlotFloats * sizeof(float));
     b->dq_zeroed = cuda::DeviceBuffer(sizeof(int));
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(b->dq_zeroed.get(), 0, sizeof(int), stream));
-    if (m.options.deterministic) b->dq_turns = cuda::DeviceBuffer(slots * sizeof(int));
+    if (b->split) {
+      const std::vector<sm90::bwd::dqpass::DqWorkItem> list =
+          sm90::bwd::dqpass::dq_work_list(pl, m.options.attention.causal);
+      if (list.size() > size_t(INT32_MAX)) reject("too many dQ pass work items");
+      b->dq_pass_items = int(list.size());
+      b->dq_pass_list = cuda::DeviceBuffer::upload(list, stream);
+      b->dq_pass_counter = cuda::DeviceBuffer(sizeof(int));
+    } else {
+      b->dq_accum = cuda::DeviceBuffer(slots * sm90::bwd::kDqSlotFloats * sizeof(float));
+      if (m.options.deterministic) b->dq_turns = cuda::DeviceBuffer(slots * sizeof(int));
+    }
     if (m.options.hadamard)
       b->dk_rotated = cuda::DeviceBuffer(size_t(std::max<int64_t>(pl.tokens, 1)) * pl.heads_kv *
                                          pl.head_dim * sizeof(float));
@@ -209,7 +254,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   p.delta = b.delta.get<float>();
   p.dq_accum = b.dq_accum.get<float>();
   p.dq_slots = b.dq_slots;
-  if (m.options.deterministic) {
+  if (m.options.deterministic && !b.split) {
     p.dq_turns = b.dq_turns.get<int>();
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.dq_turns, 0, b.dq_turns.bytes(), stream));
   }
@@ -237,7 +282,44 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   if (m.options.hadamard) p.dk_rotated = b.dk_rotated.get<float>();
   if (b.num_items > 0) {
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(p.counter, 0, sizeof(int), stream));
-    launch_main_kernel(p, b.ctas, qk16, m.options.attention.causal, stream);
+    launch_main_kernel(p, b.ctas, qk16, m.options.attention.causal, b.split, stream);
+  }
+
+  if (b.split) {
+    sm90::bwd::dqpass::DqParams d;
+    d.map_q = p.map_q;
+    d.map_dout = p.map_dout;
+    d.map_k = p.map_k;
+    d.map_k_tiles = p.map_k_tiles;
+    d.map_v = p.map_v;
+    d.map_kt = p.map_kt;
+    d.items = b.dq_pass_list.get<sm90::bwd::dqpass::DqWorkItem>();
+    d.num_items = b.dq_pass_items;
+    d.counter = b.dq_pass_counter.get<int>();
+    // The main kernel's operands, and dQ's output view.
+    d.cu_seqlens = p.cu_seqlens;
+    d.q_exponents = p.q_exponents;
+    d.k_exponents = p.k_exponents;
+    d.v_exponents = p.v_exponents;
+    d.dout_exponents = p.dout_exponents;
+    d.tokens_padded = p.tokens_padded;
+    d.lse = p.lse;
+    d.delta = p.delta;
+    d.tokens = p.tokens;
+    d.group = p.group;
+    d.scale_log2 = p.scale_log2;
+    d.scale = p.scale;
+    d.dq = grads.dq.data;
+    d.dq_stride_token = grads.dq.stride_token;
+    d.dq_stride_head = grads.dq.stride_head;
+    if (d.num_items > 0) {
+      FLAMIA_CUDA_CHECK(cudaMemsetAsync(d.counter, 0, sizeof(int), stream));
+      (m.options.attention.causal
+           ? sm90::bwd::dqpass::launch_dq_pass<true>
+           : sm90::bwd::dqpass::launch_dq_pass<false>)(d, std::min(d.num_items, multiprocessors()),
+                                                       stream);
+    }
+    return;
   }
 
   sm90::bwd::PostprocessParams post;

@@ -149,6 +149,11 @@ struct BackwardState {
   cuda::DeviceBuffer diagnostics, row_sum, row_abs;  // with GpuAttentionOptions::diagnostics
   cuda::DeviceBuffer dq_zeroed;                      // int: DqClear::zeroed
   cuda::DeviceBuffer dk_rotated;                     // [T][Hkv][D] FP32, with Hadamard rotation
+  // The split backward (mxfp8's deterministic mode): the dQ pass's work list and counter; no dQ
+  // accumulator, turns or postprocess then.
+  bool split = false;
+  int dq_pass_items = 0;
+  cuda::DeviceBuffer dq_pass_list, dq_pass_counter;
   sm90::DqClear dq_clear() const {
     return {dq_accum.get<uint4>(), int64_t(dq_accum.bytes() / sizeof(uint4)), dq_zeroed.get<int>()};
   }

@@ -243,6 +243,14 @@ __device__ __forceinline__ void backward_step(const Params& p, SharedStorage<kSc
     gradient_step<false, kCausal, kDiagnostics, kScore == ScoreOperand::kE4m3>(
         s, dp, rows, step_keys, quad, m0, item.length, ops, query_max, diag);
   }
+  if constexpr (kDq == DqAddition::kNone) {
+    // The split backward's dK/dV pass: the gradient's dQ-only values above are dead code here.
+    const float dv_unit[kKeyRows] = {rows.dv_unit, rows.dv_unit};
+    accumulate_key_products(dv, dk, ops, sm.doutt[q_state.index], sm.qt[q_state.index], dv_unit);
+    sm.q_pipe.warp_release(q_state);
+    q_state.advance();
+    return;
+  }
   int* row_max = sm.row_max[step % kMaxBuffers];
   publish_query_max(row_max, query_max, quad);
   named_barrier_sync(ConsumerBarrier::kMaxReady, kConsumerThreads);

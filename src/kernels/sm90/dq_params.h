@@ -1,0 +1,58 @@
+// The split backward's dQ pass (dq_kernel.cuh): mxfp8's deterministic mode. The main kernel runs
+// without dQ (DqAddition::kNone); this query-stationary kernel recomputes S and dP per (query
+// block, key block), forms the dQ operand exactly as the fused kernel does and keeps dQ in
+// registers, summed over the key blocks in ascending order: the ordered mode's additions, so its
+// dQ is the fused ordered kernel's bit for bit, without an accumulator, turns or postprocess.
+#pragma once
+
+#include <vector>
+
+#include "bwd_params.h"
+
+namespace flamia::sm90::bwd::dqpass {
+
+constexpr int kItemRows = 2 * kBlockM;  // query rows of a work item: two consumer warpgroups
+
+// One work item: a 128-row query block of one document and query head, and the key blocks it
+// visits (from the first).
+struct alignas(16) DqWorkItem {
+  int32_t doc;
+  int32_t query_block;  // document-relative
+  int32_t head;         // query head
+  int32_t key_blocks;   // the sort key
+};
+static_assert(sizeof(DqWorkItem) == 16, "one 16-byte vector load per item");
+
+// Host: the items of a validated layout, longest first (the CTAs' finishing times).
+std::vector<DqWorkItem> dq_work_list(const PackedLayout& layout, bool causal);
+
+struct DqParams {
+  CUtensorMap map_q;        // Q codes [T][Hq][D]; kBlockM rows
+  CUtensorMap map_dout;     // dO codes, likewise
+  CUtensorMap map_k;        // K codes [T][Hkv][D]; kBlockN rows
+  CUtensorMap map_k_tiles;  // K's codes_tiles, the same boxes
+  CUtensorMap map_v;        // V codes
+  CUtensorMap map_kt;       // K codes_t [Hkv * D][Tt]: boxes of kBlockN positions x D
+  const DqWorkItem* items = nullptr;
+  int num_items = 0;
+  int* counter = nullptr;  // next item; zeroed before the launch
+  const int32_t* cu_seqlens = nullptr;
+  const uint8_t* q_exponents = nullptr;     // [Hq][Tp] UE8M0
+  const uint8_t* k_exponents = nullptr;     // [Hkv][Tp]
+  const uint8_t* v_exponents = nullptr;     // [Hkv][Tp]
+  const uint8_t* dout_exponents = nullptr;  // [Hq][Tp]
+  int64_t tokens_padded = 0;
+  const float* lse = nullptr;    // [Hq][T], natural log
+  const float* delta = nullptr;  // [Hq][T], D (the preprocess's)
+  uint16_t* dq = nullptr;        // BF16 bits, element strides below (even)
+  int64_t dq_stride_token = 0, dq_stride_head = 0;
+  int64_t tokens = 0;
+  int group = 1;
+  float scale_log2 = 0.0f;  // softmax scale * log2(e)
+  float scale = 0.0f;       // softmax scale (dQ's final factor)
+};
+
+template <bool kCausal>
+void launch_dq_pass(const DqParams& p, int ctas, cudaStream_t stream);
+
+}  // namespace flamia::sm90::bwd::dqpass
