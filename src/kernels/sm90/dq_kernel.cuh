@@ -7,7 +7,8 @@
 //   warpgroups 1, 2      consumers on 240 registers, 64 query rows each (a query tile of the
 //                        fused kernel), taking turns on the tensor cores: a turn is the dQ
 //                        product of a warpgroup's previous key block and the S and dP products of
-//                        its next, so the other warpgroup's gradient runs under them.
+//                        its next (the forward's ping-pong; measured neutral here, docs/PERF.md
+//                        item 215).
 // Per (query tile, key block) the consumers form the fused kernel's dQ operand from the same
 // inputs by the same operations (softmax_bwd.cuh, bwd_scales.cuh, epilogue_bwd.cuh), in the
 // accumulator layout with queries as rows: a thread's two rows carry their row terms through the
@@ -35,15 +36,17 @@
 
 namespace flamia::sm90::bwd::dqpass {
 
-constexpr int kKeys = kBlockN;                    // keys per step
-constexpr int kAccRegs = wgmma::acc_regs(kKeys);  // S, dP and dQ: m64n128 each
-constexpr int kSlices = kKeys / wgmma::kKE4m3;    // k32 slices of the dQ product
-constexpr int kColGroups = kKeys / 8;             // 8-column groups of an accumulator
-constexpr int kRowHalves = 2;                     // a thread's rows r and r + 8
-constexpr int kItemStages = 2;                    // Q / dO ring
-constexpr int kKeyStages = 2;                     // key-block ring
+constexpr int kKeys = kBlockN;                      // keys per step
+constexpr int kAccRegs = wgmma::acc_regs(kKeys);    // S, dP and dQ: m64n128 each
+constexpr int kSlices = kKeys / wgmma::kKE4m3;      // k32 slices of the dQ product
+constexpr int kColGroups = kKeys / 8;               // 8-column groups of an accumulator
+constexpr int kRowHalves = 2;                       // a thread's rows r and r + 8
+constexpr int kTilesPerItem = kItemRows / kBlockM;  // query tiles: one per consumer warpgroup
+constexpr int kItemStages = 2;                      // Q / dO ring
+constexpr int kKeyStages = 2;                       // key-block ring
 constexpr uint32_t kRowBytes = wgmma::kSw128RowBytes;
 constexpr uint32_t kTileBytes = kBlockM * kRowBytes;  // one warpgroup's 64 rows of Q or dO
+constexpr uint32_t kItemTileBytes = kTilesPerItem * kTileBytes;
 constexpr uint32_t kKeyTileBytes = kKeys * kRowBytes;
 constexpr int kProducerThreads = int(kWarpThreads);
 constexpr int kKeysPerLane = kKeys / kProducerThreads;
@@ -60,15 +63,15 @@ struct alignas(16) KeyFactors {
 };
 
 struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
-  uint8_t q[kItemStages][2 * kTileBytes];  // the item's two query tiles
-  uint8_t dout[kItemStages][2 * kTileBytes];
+  uint8_t q[kItemStages][kItemTileBytes];  // the item's query tiles
+  uint8_t dout[kItemStages][kItemTileBytes];
   uint8_t k[kKeyStages][kKeyTileBytes];        // K's token codes
   uint8_t k_tiles[kKeyStages][kKeyTileBytes];  // K's tile codes
   uint8_t v[kKeyStages][kKeyTileBytes];
   uint8_t kt[kKeyStages][kKeyTileBytes];  // K's codes_t [D][keys]
   KeyFactors keys[kKeyStages];
   DqWorkItem item[kItemStages];
-  int c_ref[kItemStages][2][kWarpgroupWarps];  // per consumer warp: its rows' largest e_dO
+  int c_ref[kItemStages][kTilesPerItem][kWarpgroupWarps];  // per consumer warp: its largest e_dO
   Pipeline<kItemStages> q_pipe;
   Pipeline<kKeyStages> kv_pipe;
 };
@@ -76,7 +79,7 @@ constexpr size_t kSmemBytes = sizeof(SharedStorage) + wgmma::kSw128AtomBytes;
 static_assert(kSmemBytes <= kMaxDynamicSmemBytes, "shared memory of a CTA");
 
 enum class Warpgroup : uint32_t { kProducer = 0, kFirstConsumer = 1 };
-constexpr uint32_t kConsumerWarpgroups = 2;
+constexpr uint32_t kConsumerWarpgroups = kTilesPerItem;
 constexpr uint32_t kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
 constexpr uint32_t kProducerRegs = 24;
 constexpr uint32_t kConsumerRegs = consumer_register_budget(1, kProducerRegs, kConsumerWarpgroups);
@@ -103,7 +106,7 @@ constexpr uint32_t kKeyBlockArrivals = kWarpThreads;
 constexpr uint32_t kConsumerWarps = kConsumerWarpgroups * kWarpgroupWarps;
 
 __device__ __forceinline__ int tile_of(const DqWorkItem& item, int warpgroup) {
-  return 2 * item.query_block + warpgroup;
+  return kTilesPerItem * item.query_block + warpgroup;
 }
 
 // Which K codes a query tile's S reads at a key block: the fused kernel's rule (its tile codes
@@ -136,9 +139,9 @@ __device__ void produce(const DqParams& p, SharedStorage& sm) {
       if (item.doc < 0) {
         mbarrier_arrive(full);
       } else {
-        sm.q_pipe.producer_commit(item_state, 4 * kTileBytes);
+        sm.q_pipe.producer_commit(item_state, 2 * kItemTileBytes);  // Q and dO
         const int32_t token = int32_t(p.cu_seqlens[item.doc] + int64_t(tile_of(item, 0)) * kBlockM);
-        for (int w = 0; w < 2; ++w) {
+        for (int w = 0; w < kTilesPerItem; ++w) {
           tma_load_3d(sm.q[item_state.index] + w * kTileBytes, &p.map_q, 0, item.head,
                       token + w * kBlockM, full);
           tma_load_3d(sm.dout[item_state.index] + w * kTileBytes, &p.map_dout, 0, item.head,
@@ -189,6 +192,7 @@ __device__ void produce(const DqParams& p, SharedStorage& sm) {
         kf.tile_score = ue8m0::decode(uint8_t(tile_code)) * p.scale_log2;
         const bool token_codes = !(tiles0 && tiles1), tile_codes = tiles0 || tiles1;
         uint64_t* full = sm.kv_pipe.full_barrier(key_state);
+        // V and K's codes_t, and the K codes the tiles read.
         sm.kv_pipe.producer_commit(key_state,
                                    (2 + int(token_codes) + int(tile_codes)) * kKeyTileBytes);
         const int32_t token = int32_t(begin + n0);
