@@ -96,7 +96,7 @@ Table probe_table(const Problem& problem, const ProbeRun& run) {
   if (gpu)
     t.notes.push_back(
         "GPU: O, LSE and dQ of the training call probed bitwise, the backward in its "
-        "deterministic mode (ordered dQ reductions).");
+        "deterministic mode (dQ summed in key-block order).");
   return t;
 }
 
