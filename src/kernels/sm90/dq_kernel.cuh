@@ -24,6 +24,7 @@
 #include "bf16_rows.cuh"
 #include "check.h"
 #include "dq_params.h"
+#include "epilogue_bwd.cuh"
 #include "flamia/emulator.h"
 #include "flamia/row_terms.h"
 #include "fp8_convert.cuh"
@@ -210,9 +211,13 @@ __device__ void produce(const DqParams& p, SharedStorage& sm) {
   }
 }
 
-// A thread's two query rows: the fused producer's RowTerms and units (bwd_scales.cuh), which
-// depend on the query tile alone (every row of a visited tile sees the key block).
-struct RowTerms2 {
+// A thread's two query rows: the fused producer's RowTerms and units (stage_query_rows,
+// bwd_scales.cuh), which depend on the query tile alone (every row of a visited tile sees the key
+// block). The same expressions written again, not a shared function: moving stage_query_rows's
+// into one changes ptxas's schedule of the fused kernel's step loop (600 of 1555 instructions,
+// checked by SASS; items 163 and 193 measured such moves at 0.7-3 %).
+// GpuAttentionBwdBuffers.FastKernelsMatchTheStatisticsBuildBitwise holds the two equal.
+struct ThreadRows {
   float rf[kRowHalves];         // 2^e_q
   float bias[kRowHalves];       // e_dO - C + 8 - LSE log2(e); -inf past the document
   float delta[kRowHalves];      // the delta word, D 2^-e_dO with rf in its low bits
@@ -221,10 +226,10 @@ struct RowTerms2 {
   float dv_unit;                // 2^(C - 8)
 };
 
-__device__ __forceinline__ RowTerms2 load_row_terms(const DqParams& p, SharedStorage& sm, int stage,
-                                                    int64_t begin, int length, int head, int tile,
-                                                    int warpgroup, int t) {
-  RowTerms2 rt;
+__device__ __forceinline__ ThreadRows load_row_terms(const DqParams& p, SharedStorage& sm,
+                                                     int stage, int64_t begin, int length, int head,
+                                                     int tile, int warpgroup, int t) {
+  ThreadRows rt;
   int e_q[kRowHalves], e_g[kRowHalves];
   float lse[kRowHalves], delta[kRowHalves];
   int c_ref = INT_MIN;
@@ -308,7 +313,7 @@ __device__ __forceinline__ void add_dq_product(float (&dq)[kAccRegs],
 // on return `a` holds the dQ operand's codes and `unit` the rows' dQ units (add_dq_partial's).
 template <bool kMasked, bool kCausal>
 __device__ __forceinline__ void dq_operand(float (&s)[kAccRegs], float (&dp)[kAccRegs],
-                                           const KeyFactors& kf, const RowTerms2& rt, bool tiles,
+                                           const KeyFactors& kf, const ThreadRows& rt, bool tiles,
                                            int quad, int n0, int length, uint32_t (&a)[kSlices][4],
                                            float (&unit)[kRowHalves]) {
   float amax[kRowHalves] = {0.0f, 0.0f};
@@ -319,15 +324,13 @@ __device__ __forceinline__ void dq_operand(float (&s)[kAccRegs], float (&dp)[kAc
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int i = 4 * g + k, h = key_half(i), c = k & 1;
-      const float logit = fmaf(s[i] * (c ? score.y : score.x), rt.rf[h], rt.bias[h]);
-      float p = exp2_approx(logit);
+      float p = scaled_probability<true>(s[i], c ? score.y : score.x, rt.rf[h], rt.bias[h]);
       if constexpr (kMasked) {
         const int key = n0 + 8 * g + 2 * quad + c;
         const bool visible = key < length && rt.row[h] < length && (!kCausal || key <= rt.row[h]);
         if (!visible) p = 0.0f;
       }
-      const float ds = (p * rt.rf[h]) * fmaf(dp[i], c ? f.y : f.x, -rt.delta[h]);
-      s[i] = ds * (c ? f.w : f.z);
+      s[i] = scaled_gradient(p, rt.rf[h], dp[i], c ? f.y : f.x, rt.delta[h]) * (c ? f.w : f.z);
       amax[h] = fmaxf(amax[h], fabsf(s[i]));
     }
   }
@@ -335,9 +338,9 @@ __device__ __forceinline__ void dq_operand(float (&s)[kAccRegs], float (&dp)[kAc
   float inverse[kRowHalves];
 #pragma unroll
   for (int h = 0; h < kRowHalves; ++h) {
-    const uint32_t field = max(scale_field_of_pair(keys, h), e4m3_scale::kMinField);
+    const uint32_t field = operand_field_of_pair(keys, h);
     inverse[h] = inverse_scale_e4m3_of_field(field);
-    unit[h] = exp2i(scale_exponent_up_e4m3_of_field(field)) * rt.q_inverse[h] * rt.dv_unit;
+    unit[h] = dq_row_unit(field, rt.q_inverse[h], rt.dv_unit);
   }
 #pragma unroll
   for (int i = 0; i < kAccRegs; ++i) s[i] *= inverse[key_half(i)];
@@ -366,7 +369,7 @@ __device__ void consume(const DqParams& p, SharedStorage& sm, int warpgroup) {
     const int length = int(p.cu_seqlens[item.doc + 1] - begin);
     const int tile = tile_of(item, warpgroup);
     const int m0 = tile * kBlockM;
-    const RowTerms2 rt =
+    const ThreadRows rt =
         load_row_terms(p, sm, int(item_state.index), begin, length, item.head, tile, warpgroup, t);
     float dq[kAccRegs];
 #pragma unroll

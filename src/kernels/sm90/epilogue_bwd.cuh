@@ -46,6 +46,13 @@ __device__ __forceinline__ float4 scaled_group(const float (&dq)[kTileRegs], int
                      dq[i + 3] * unit[1]);
 }
 
+// A query row's dQ unit: 2^er (its dQ operand's scale field), then 2^-e_q and the step unit
+// 2^(C - 8) that dS'' carries, in that order (2^(er - e_q) stays in float's range). Shared with the
+// split backward's dQ pass (dq_kernel.cuh).
+__device__ __forceinline__ float dq_row_unit(uint32_t field, float q_inverse, float step_unit) {
+  return exp2i(scale_exponent_up_e4m3_of_field(field)) * q_inverse * step_unit;
+}
+
 // A warp's staged dQ partial whose bulk reduction is not issued yet (unordered mode).
 struct PendingDq {
   float* dst = nullptr;  // null: none
@@ -89,8 +96,7 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
   float unit[kKeyRows];
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r)
-    unit[r] = exp2i(scale_exponent_up_e4m3_of_field(uint32_t(row_max[wgmma::acc_row(t, 2 * r)]))) *
-              q_inverse[r] * step_unit;
+    unit[r] = dq_row_unit(uint32_t(row_max[wgmma::acc_row(t, 2 * r)]), q_inverse[r], step_unit);
   const int64_t slot_index = int64_t(item.dq_slot0) + q_tile;
   float* half = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;
   const bool ordered =

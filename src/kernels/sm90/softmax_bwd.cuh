@@ -50,6 +50,11 @@ __device__ __forceinline__ uint32_t scale_key_pair(float amax_lo, float amax_hi)
 __device__ __forceinline__ uint32_t scale_field_of_pair(uint32_t keys, int half) {
   return e4m3_scale_field_of_key16((keys >> (half * kE4m3ScaleKeyBits)) & kKeyMask);
 }
+// An operand's scale field from a pair's reduced keys: a row or key without a nonzero value gets
+// the floor field (its codes are zeros at any scale).
+__device__ __forceinline__ uint32_t operand_field_of_pair(uint32_t keys, int half) {
+  return max(scale_field_of_pair(keys, half), e4m3_scale::kMinField);
+}
 __device__ __forceinline__ uint32_t quad_max_u16x2(uint32_t keys) {
   constexpr unsigned kFull = 0xFFFFFFFFu;
   keys = __vmaxu2(keys, __shfl_xor_sync(kFull, keys, 1));
@@ -98,6 +103,18 @@ __device__ __forceinline__ void add_row_sums(const StepDiagnostics& diag, int n,
 __device__ __forceinline__ bool rounds_to_zero(float x) {
   constexpr uint32_t kMagnitudeBits = 0x7F;
   return x != 0.0f && (e4m3x2_rn_satfinite(x, 0.0f) & kMagnitudeBits) == 0;
+}
+
+// One entry's P'' = 2^(S c 2^e_k 2^e_q + bias) (on BF16 scores: S c + bias) and, once masked,
+// dS'' = P'' 2^e_q (dP 2^e_v - D 2^-e_dO) (bwd_smem.cuh's RowTerms). The split backward's dQ pass
+// (dq_kernel.cuh) forms them with these too: its dQ must be the fused kernel's bit for bit.
+template <bool kE4m3Scores>
+__device__ __forceinline__ float scaled_probability(float s, float score, float rf, float bias) {
+  return exp2_approx(kE4m3Scores ? fmaf(s * score, rf, bias) : fmaf(s, score, bias));
+}
+__device__ __forceinline__ float scaled_gradient(float p, float rf, float dp, float v,
+                                                 float delta) {
+  return (p * rf) * fmaf(dp, v, -delta);
 }
 
 // A thread's RowTerms: its quad position's run of sixteen queries (8 g + 2 quad + c in the order
@@ -149,9 +166,7 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int i = 4 * g + k, r = key_half(i), c = k & 1;
-      const float logit = kE4m3Scores ? fmaf(s[i] * kr.score[r], t[c].rf, t[c].bias)
-                                      : fmaf(s[i], kr.score[r], t[c].bias);
-      float p = exp2_approx(logit);
+      float p = scaled_probability<kE4m3Scores>(s[i], kr.score[r], t[c].rf, t[c].bias);
       bool visible = true;
       if constexpr (kMasked) {
         const int query = m0 + c0 + c;
@@ -162,7 +177,7 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
       }
       // The scalings by powers of two are exact: dS'' = P'' 2^e_q (dP 2^e_v - D 2^-e_dO) is the
       // emulator's P ((dP 2^e_dO) 2^e_v - D) 2^e_q 2^(8 - C) with one rounding fewer.
-      dp[i] = (p * t[c].rf) * fmaf(dp[i], kr.v[r], -t[c].delta);
+      dp[i] = scaled_gradient(p, t[c].rf, dp[i], kr.v[r], t[c].delta);
       s[i] = p;
       if constexpr (kDiagnostics) {
         diag.entries += visible;
@@ -182,7 +197,7 @@ __device__ __forceinline__ void gradient_step(float (&s)[kTileRegs], float (&dp)
   const uint32_t keys = quad_max_u16x2(scale_key_pair(amax[0], amax[1]));
 #pragma unroll
   for (int r = 0; r < kKeyRows; ++r) {
-    const uint32_t field = max(scale_field_of_pair(keys, r), e4m3_scale::kMinField);
+    const uint32_t field = operand_field_of_pair(keys, r);
     ops.ds_unit[r] = exp2i(scale_exponent_up_e4m3_of_field(field)) * rows.dv_unit;  // 2^(C-8)
     amax[r] = inverse_scale_e4m3_of_field(field);  // now the inverse unit
   }
