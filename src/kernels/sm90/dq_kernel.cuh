@@ -287,11 +287,15 @@ __device__ __forceinline__ void issue_score_products(float (&s)[kAccRegs], float
 }
 
 // dQ += (X~ K) * unit per row, in the ordered mode's rounding: the product times the unit, then
-// an FP32 addition that flushes subnormals (as red.global.add.f32 does).
-__device__ __forceinline__ float add_ftz(float a, float b) {
-  float c;
-  asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(c) : "f"(a), "f"(b));
-  return c;
+// an FP32 addition that flushes subnormals (as red.global.add.f32 does). The unit is a power of
+// two, so that product is exact wherever it is a normal float, and one fma.rn.ftz rounds as the
+// multiply and the addition do, in one instruction instead of two (docs/PERF.md item 221). They
+// could differ only where the product is subnormal (the addition flushed it, the fma keeps it)
+// and the sum so far lies below 2^-102.
+__device__ __forceinline__ float fma_ftz(float a, float b, float c) {
+  float d;
+  asm("fma.rn.ftz.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c));
+  return d;
 }
 __device__ __forceinline__ void add_dq_product(float (&dq)[kAccRegs],
                                                const uint32_t (&a)[kSlices][4], const uint8_t* kt,
@@ -306,7 +310,7 @@ __device__ __forceinline__ void add_dq_product(float (&dq)[kAccRegs],
   wgmma::commit();
   wgmma::wait_all(tile);
 #pragma unroll
-  for (int i = 0; i < kAccRegs; ++i) dq[i] = add_ftz(dq[i], tile[i] * unit[key_half(i)]);
+  for (int i = 0; i < kAccRegs; ++i) dq[i] = fma_ftz(tile[i], unit[key_half(i)], dq[i]);
 }
 
 // The fused kernel's gradient_step and store_ds_tile for one (query tile, key block), transposed:
