@@ -36,8 +36,8 @@ struct GpuAttentionOptions {
   AttentionConfig attention;
   // Backward: dQ summed over the key blocks in ascending order instead of by unordered atomics, so
   // dQ is bitwise reproducible run to run (and a prefix's dQ bitwise independent of its suffix).
-  // mxfp8 runs the split backward for it (a dK/dV pass, then a query-stationary dQ pass that keeps
-  // dQ in registers); mxfp8-qk16 and Hadamard rotation order the dQ reductions (slower).
+  // Both recipes run the split backward for it (a dK/dV pass, then a query-stationary dQ pass that
+  // keeps dQ in registers); Hadamard rotation orders the dQ reductions (slower).
   bool deterministic = false;
   // Backward: also gather DESIGN §4's statistics (dS zero fractions, row residuals, P^T
   // underflow) for backward_diagnostics(); slower, for `flamia accuracy`.

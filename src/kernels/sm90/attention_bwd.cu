@@ -83,16 +83,12 @@ static_assert(kGpuBackwardTiles.block_m == kBlockM && kGpuBackwardTiles.block_n 
               "the emulator's tiles must be the kernel's");
 
 // The main kernel's instantiation for the mask, the dQ addition, diagnostics and the rotation
-// (mxfp8 only: check_gpu_support); `split`: the split backward's dK/dV pass (mxfp8).
+// (mxfp8 only: check_gpu_support); `split`: the split backward's dK/dV pass.
 template <ScoreOperand kScore, bool kCausal>
 void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool split, cudaStream_t stream) {
   using namespace sm90::bwd;
   if (split) {
-    if constexpr (kScore == ScoreOperand::kE4m3) {
-      launch_backward<kScore, kCausal, DqAddition::kNone>(p, ctas, stream);
-    } else {
-      reject("the split backward is built for mxfp8 only");
-    }
+    launch_backward<kScore, kCausal, DqAddition::kNone>(p, ctas, stream);
   } else if (p.diagnostics != nullptr) {
     launch_backward_diagnostics<kScore, kCausal>(p, ctas, stream);
   } else if (p.dk_rotated != nullptr) {
@@ -104,11 +100,7 @@ void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool split, cudaSt
       reject("Hadamard rotation is built for mxfp8 only");
     }
   } else if (p.dq_turns != nullptr) {
-    if constexpr (kScore == ScoreOperand::kBf16) {
-      launch_backward<kScore, kCausal, DqAddition::kOrdered>(p, ctas, stream);
-    } else {
-      reject("mxfp8's deterministic mode runs the split backward");
-    }
+    reject("the deterministic mode runs the split backward");
   } else {
     launch_backward<kScore, kCausal, DqAddition::kBulk>(p, ctas, stream);
   }
@@ -178,10 +170,10 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     b->counter = cuda::DeviceBuffer(sizeof(int));
     const int64_t rows = pl.tokens * pl.heads_q;
     b->delta = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
-    // mxfp8's deterministic mode: the split backward, whose dQ pass sums dQ in registers in the
+    // The deterministic mode: the split backward, whose dQ pass sums dQ in registers in the
     // ordered mode's order (dq_params.h). With Hadamard rotation (dQ rotated back by the
     // postprocess) or the statistics build it keeps the ordered dQ additions.
-    b->split = m.options.deterministic && !qk16 && !m.options.hadamard && !m.options.diagnostics;
+    b->split = m.options.deterministic && !m.options.hadamard && !m.options.diagnostics;
     b->dq_slots = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
     const size_t slots = size_t(b->dq_slots) * pl.heads_q;
     // The kernel indexes the slots with 32 bits (StepItem::dq_slot0).
@@ -314,10 +306,13 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     d.dq_stride_head = grads.dq.stride_head;
     if (d.num_items > 0) {
       FLAMIA_CUDA_CHECK(cudaMemsetAsync(d.counter, 0, sizeof(int), stream));
-      (m.options.attention.causal
-           ? sm90::bwd::dqpass::launch_dq_pass<true>
-           : sm90::bwd::dqpass::launch_dq_pass<false>)(d, std::min(d.num_items, multiprocessors()),
-                                                       stream);
+      using sm90::bwd::dqpass::launch_dq_pass;
+      const bool causal = m.options.attention.causal;
+      const auto launch = qk16 ? (causal ? launch_dq_pass<ScoreOperand::kBf16, true>
+                                         : launch_dq_pass<ScoreOperand::kBf16, false>)
+                               : (causal ? launch_dq_pass<ScoreOperand::kE4m3, true>
+                                         : launch_dq_pass<ScoreOperand::kE4m3, false>);
+      launch(d, std::min(d.num_items, multiprocessors()), stream);
     }
     return;
   }

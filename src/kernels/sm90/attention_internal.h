@@ -149,7 +149,7 @@ struct BackwardState {
   cuda::DeviceBuffer diagnostics, row_sum, row_abs;  // with GpuAttentionOptions::diagnostics
   cuda::DeviceBuffer dq_zeroed;                      // int: DqClear::zeroed
   cuda::DeviceBuffer dk_rotated;                     // [T][Hkv][D] FP32, with Hadamard rotation
-  // The split backward (mxfp8's deterministic mode): the dQ pass's work list and counter; no dQ
+  // The split backward (the deterministic mode): the dQ pass's work list and counter; no dQ
   // accumulator, turns or postprocess then.
   bool split = false;
   int dq_pass_items = 0;

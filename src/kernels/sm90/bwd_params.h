@@ -149,13 +149,13 @@ struct Params {
 
 // How the main kernel adds a step's dQ partial to the FP32 accumulator (epilogue_bwd.cuh): by bulk
 // reductions in any order, or from the registers in key-block order (Params::dq_turns, the
-// deterministic mode with Hadamard rotation or mxfp8-qk16); the statistics build reads which from
-// Params::dq_turns. kNone: no dQ at all, the split backward's dK/dV pass (mxfp8's deterministic
-// mode; dQ comes from the query-stationary pass of dq_kernel.cuh).
+// deterministic mode with Hadamard rotation); the statistics build reads which from
+// Params::dq_turns. kNone: no dQ at all, the split backward's dK/dV pass (the deterministic mode
+// otherwise; dQ comes from the query-stationary pass of dq_kernel.cuh).
 enum class DqAddition { kBulk, kOrdered, kByParams, kNone };
 
 // Launches the persistent main kernel (bwd_mxfp8.cu, bwd_mxfp8_split.cu, bwd_qk16.cu,
-// bwd_qk16_ordered.cu) with `ctas` CTAs; with Params::diagnostics set, its statistics build
+// bwd_qk16_split.cu) with `ctas` CTAs; with Params::diagnostics set, its statistics build
 // (bwd_diagnostics.cu), which reads Params::dk_rotated too.
 template <ScoreOperand kScore, bool kCausal, DqAddition kDq>
 void launch_backward(const Params& p, int ctas, cudaStream_t stream);

@@ -1,9 +1,10 @@
 // The split backward's dQ pass (dq_params.h), one persistent CTA per multiprocessor, 384 threads:
 //   warpgroup 0, warp 0  producer, on 24 registers: takes work items through an atomic counter,
-//                        TMA-loads each item's Q and dO (two 64-row boxes each) into a two-stage
-//                        ring, then for each key block from the first K's token codes and/or its
-//                        tile codes (whichever the two warpgroups' S reads), V, K's codes_t and
-//                        the keys' factors into a two-stage ring. The other warps exit.
+//                        TMA-loads each item's Q (E4M3 codes, or BF16 rows for mxfp8-qk16) and
+//                        dO (64-row boxes) into a ring (ScoreLayout::kItemStages), then for each
+//                        key block from the first K's token codes and/or its tile codes (whichever
+//                        the two warpgroups' S reads; BF16 rows for mxfp8-qk16), V, K's codes_t
+//                        and the keys' factors into a two-stage ring. The other warps exit.
 //   warpgroups 1, 2      consumers on 240 registers, 64 query rows each (a query tile of the
 //                        fused kernel), taking turns on the tensor cores: a turn is the dQ
 //                        product of a warpgroup's previous key block and the S and dP products of
@@ -16,7 +17,7 @@
 // (register A against K's codes_t) times the row units is added to dQ in ascending key-block
 // order with the rounding of the ordered mode's FP32 reductions; dQ goes out as BF16 at the item's
 // end, scaled as the postprocess does.
-// Included by the instantiation file (bwd_dq_mxfp8.cu) only.
+// Included by the instantiation files (bwd_dq_mxfp8.cu, bwd_dq_qk16.cu) only.
 #pragma once
 
 #include <climits>
@@ -43,16 +44,15 @@ constexpr int kSlices = kKeys / wgmma::kKE4m3;      // k32 slices of the dQ prod
 constexpr int kColGroups = kKeys / 8;               // 8-column groups of an accumulator
 constexpr int kRowHalves = 2;                       // a thread's rows r and r + 8
 constexpr int kTilesPerItem = kItemRows / kBlockM;  // query tiles: one per consumer warpgroup
-constexpr int kItemStages = 2;                      // Q / dO ring
 constexpr int kKeyStages = 2;                       // key-block ring
 constexpr uint32_t kRowBytes = wgmma::kSw128RowBytes;
-constexpr uint32_t kTileBytes = kBlockM * kRowBytes;  // one warpgroup's 64 rows of Q or dO
+constexpr uint32_t kTileBytes = kBlockM * kRowBytes;  // one warpgroup's 64 rows of dO codes
 constexpr uint32_t kItemTileBytes = kTilesPerItem * kTileBytes;
 constexpr uint32_t kKeyTileBytes = kKeys * kRowBytes;
 constexpr int kProducerThreads = int(kWarpThreads);
 constexpr int kKeysPerLane = kKeys / kProducerThreads;
 static_assert(kHeadDim == int(kRowBytes) && kKeys == int(kRowBytes),
-              "E4M3 rows of Q, dO, K, V and K's codes_t are one 128 B swizzle span");
+              "E4M3 rows of dO, V and K's codes_t are one 128 B swizzle span");
 static_assert(kKeysPerLane * kProducerThreads == kKeys, "one warp covers a key block");
 
 // The keys' factors of one block, where a consumer thread reads them: quad position q of column
@@ -63,21 +63,48 @@ struct alignas(16) KeyFactors {
   float tile_score;                       // c 2^(the block's largest e_k): on K's tile codes
 };
 
-struct alignas(wgmma::kSw128AtomBytes) SharedStorage {
-  uint8_t q[kItemStages][kItemTileBytes];  // the item's query tiles
-  uint8_t dout[kItemStages][kItemTileBytes];
-  uint8_t k[kKeyStages][kKeyTileBytes];        // K's token codes
-  uint8_t k_tiles[kKeyStages][kKeyTileBytes];  // K's tile codes
+// S's operands Q and K: E4M3 codes (mxfp8) or BF16 inputs (mxfp8-qk16), in 128 B swizzle spans
+// of the head dimension (one or two), as the fused kernel's SmemLayout.
+template <ScoreOperand kScore>
+struct ScoreLayout : ScoreSpans<kScore> {
+  static constexpr uint32_t kQTileBytes = ScoreSpans<kScore>::kSpans * kTileBytes;
+  static constexpr uint32_t kKBytes = ScoreSpans<kScore>::kSpans * kKeyTileBytes;
+  // K's tile codes: mxfp8 only (the fused kernel's SmemLayout::kKeyTiles).
+  static constexpr bool kKeyTiles = kScore == ScoreOperand::kE4m3;
+  // The Q / dO ring: two stages of E4M3 Q; one of BF16 Q, whose rows take twice the bytes (the
+  // next item's loads then wait for the item's last score products: once per item).
+  static constexpr int kItemStages = kScore == ScoreOperand::kE4m3 ? 2 : 1;
+};
+
+// K's tile codes, a ring beside K's (mxfp8); none for BF16 K, whose pass needs every byte of the
+// rest.
+template <bool kKeyTiles, uint32_t kBytes>
+struct KeyTileRing {
+  uint8_t k_tiles[kKeyStages][kBytes];
+};
+template <uint32_t kBytes>
+struct KeyTileRing<false, kBytes> {};
+
+template <ScoreOperand kScore>
+struct alignas(wgmma::kSw128AtomBytes) SharedStorage
+    : KeyTileRing<ScoreLayout<kScore>::kKeyTiles, ScoreLayout<kScore>::kKBytes> {
+  using L = ScoreLayout<kScore>;
+  uint8_t q[L::kItemStages][kTilesPerItem][L::kQTileBytes];  // the item's query tiles
+  uint8_t dout[L::kItemStages][kItemTileBytes];
+  uint8_t k[kKeyStages][L::kKBytes];  // K's token codes or BF16 rows
   uint8_t v[kKeyStages][kKeyTileBytes];
   uint8_t kt[kKeyStages][kKeyTileBytes];  // K's codes_t [D][keys]
   KeyFactors keys[kKeyStages];
-  DqWorkItem item[kItemStages];
-  int c_ref[kItemStages][kTilesPerItem][kWarpgroupWarps];  // per consumer warp: its largest e_dO
-  Pipeline<kItemStages> q_pipe;
+  DqWorkItem item[L::kItemStages];
+  int c_ref[L::kItemStages][kTilesPerItem][kWarpgroupWarps];  // per consumer warp: its largest e_dO
+  Pipeline<L::kItemStages> q_pipe;
   Pipeline<kKeyStages> kv_pipe;
 };
-constexpr size_t kSmemBytes = sizeof(SharedStorage) + wgmma::kSw128AtomBytes;
-static_assert(kSmemBytes <= kMaxDynamicSmemBytes, "shared memory of a CTA");
+template <ScoreOperand kScore>
+constexpr size_t kSmemBytes = sizeof(SharedStorage<kScore>) + wgmma::kSw128AtomBytes;
+static_assert(kSmemBytes<ScoreOperand::kE4m3> <= kMaxDynamicSmemBytes &&
+                  kSmemBytes<ScoreOperand::kBf16> <= kMaxDynamicSmemBytes,
+              "shared memory of a CTA");
 
 enum class Warpgroup : uint32_t { kProducer = 0, kFirstConsumer = 1 };
 constexpr uint32_t kConsumerWarpgroups = kTilesPerItem;
@@ -110,22 +137,24 @@ __device__ __forceinline__ int tile_of(const DqWorkItem& item, int warpgroup) {
   return kTilesPerItem * item.query_block + warpgroup;
 }
 
-// Which K codes a query tile's S reads at a key block: the fused kernel's rule (its tile codes
-// where the forward's item saw the block whole).
-template <bool kCausal>
+// Which K codes a query tile's S reads at a key block: the fused kernel's rule (mxfp8: its tile
+// codes where the forward's item saw the block whole).
+template <ScoreOperand kScore, bool kCausal>
 __device__ __forceinline__ bool reads_tile_codes(int length, int tile, int key_block) {
-  return fwd::item_sees_tile_whole(length, tile * kBlockM, key_block, kCausal);
+  return ScoreLayout<kScore>::kKeyTiles &&
+         fwd::item_sees_tile_whole(length, tile * kBlockM, key_block, kCausal);
 }
 
-template <bool kCausal>
-__device__ void produce(const DqParams& p, SharedStorage& sm) {
+template <ScoreOperand kScore, bool kCausal>
+__device__ void produce(const DqParams& p, SharedStorage<kScore>& sm) {
+  using L = ScoreLayout<kScore>;
   const int lane = int(lane_index());
   const bool elected = lane == 0;
   if (elected)
     for (const CUtensorMap* map :
          {&p.map_q, &p.map_dout, &p.map_k, &p.map_k_tiles, &p.map_v, &p.map_kt})
       tma_prefetch_descriptor(map);
-  PipelineState<kItemStages> item_state;
+  PipelineState<L::kItemStages> item_state;
   PipelineState<kKeyStages> key_state;
   for (;;) {
     int index = 0;
@@ -140,11 +169,12 @@ __device__ void produce(const DqParams& p, SharedStorage& sm) {
       if (item.doc < 0) {
         mbarrier_arrive(full);
       } else {
-        sm.q_pipe.producer_commit(item_state, 2 * kItemTileBytes);  // Q and dO
+        sm.q_pipe.producer_commit(item_state, kTilesPerItem * (L::kQTileBytes + kTileBytes));
         const int32_t token = int32_t(p.cu_seqlens[item.doc] + int64_t(tile_of(item, 0)) * kBlockM);
         for (int w = 0; w < kTilesPerItem; ++w) {
-          tma_load_3d(sm.q[item_state.index] + w * kTileBytes, &p.map_q, 0, item.head,
-                      token + w * kBlockM, full);
+          for (int span = 0; span < L::kSpans; ++span)
+            tma_load_3d(sm.q[item_state.index][w] + span * kTileBytes, &p.map_q,
+                        span * L::kSpanElems, item.head, token + w * kBlockM, full);
           tma_load_3d(sm.dout[item_state.index] + w * kTileBytes, &p.map_dout, 0, item.head,
                       token + w * kBlockM, full);
         }
@@ -173,8 +203,8 @@ __device__ void produce(const DqParams& p, SharedStorage& sm) {
         tile_code = max(tile_code, ek[u]);
       }
       tile_code = __reduce_max_sync(0xFFFFFFFFu, tile_code);
-      const bool tiles0 = reads_tile_codes<kCausal>(length, tile_of(item, 0), kb);
-      const bool tiles1 = reads_tile_codes<kCausal>(length, tile_of(item, 1), kb);
+      const bool tiles0 = reads_tile_codes<kScore, kCausal>(length, tile_of(item, 0), kb);
+      const bool tiles1 = reads_tile_codes<kScore, kCausal>(length, tile_of(item, 1), kb);
       sm.kv_pipe.producer_acquire(key_state);
       KeyFactors& kf = sm.keys[key_state.index];
 #pragma unroll
@@ -187,19 +217,25 @@ __device__ void produce(const DqParams& p, SharedStorage& sm) {
         float* vf = reinterpret_cast<float*>(&kf.v_fold[g][quad]);
         vf[half] = v_unit;
         vf[2 + half] = k_unit;
-        reinterpret_cast<float*>(&kf.score[g][quad])[half] = k_unit * p.scale_log2;
+        // S's column factor (KeyRows::score): c 2^e_k on K's codes, c on BF16 K.
+        reinterpret_cast<float*>(&kf.score[g][quad])[half] =
+            kScore == ScoreOperand::kE4m3 ? k_unit * p.scale_log2 : p.scale_log2;
       }
       if (elected) {
         kf.tile_score = ue8m0::decode(uint8_t(tile_code)) * p.scale_log2;
         const bool token_codes = !(tiles0 && tiles1), tile_codes = tiles0 || tiles1;
         uint64_t* full = sm.kv_pipe.full_barrier(key_state);
-        // V and K's codes_t, and the K codes the tiles read.
-        sm.kv_pipe.producer_commit(key_state,
-                                   (2 + int(token_codes) + int(tile_codes)) * kKeyTileBytes);
+        // V and K's codes_t, and the K codes (or rows) the tiles read.
+        sm.kv_pipe.producer_commit(
+            key_state, 2 * kKeyTileBytes + (int(token_codes) + int(tile_codes)) * L::kKBytes);
         const int32_t token = int32_t(begin + n0);
-        if (token_codes) tma_load_3d(sm.k[key_state.index], &p.map_k, 0, kv_head, token, full);
-        if (tile_codes)
-          tma_load_3d(sm.k_tiles[key_state.index], &p.map_k_tiles, 0, kv_head, token, full);
+        if (token_codes)
+          for (int span = 0; span < L::kSpans; ++span)
+            tma_load_3d(sm.k[key_state.index] + span * kKeyTileBytes, &p.map_k,
+                        span * L::kSpanElems, kv_head, token, full);
+        if constexpr (L::kKeyTiles)
+          if (tile_codes)
+            tma_load_3d(sm.k_tiles[key_state.index], &p.map_k_tiles, 0, kv_head, token, full);
         tma_load_3d(sm.v[key_state.index], &p.map_v, 0, kv_head, token, full);
         tma_load_2d(sm.kt[key_state.index], &p.map_kt, int32_t(t_begin + n0), kv_head * kHeadDim,
                     full);
@@ -226,7 +262,8 @@ struct ThreadRows {
   float dv_unit;                // 2^(C - 8)
 };
 
-__device__ __forceinline__ ThreadRows load_row_terms(const DqParams& p, SharedStorage& sm,
+template <ScoreOperand kScore>
+__device__ __forceinline__ ThreadRows load_row_terms(const DqParams& p, SharedStorage<kScore>& sm,
                                                      int stage, int64_t begin, int length, int head,
                                                      int tile, int warpgroup, int t) {
   ThreadRows rt;
@@ -264,11 +301,15 @@ __device__ __forceinline__ ThreadRows load_row_terms(const DqParams& p, SharedSt
   return rt;
 }
 
+template <ScoreOperand kScore>
 __device__ __forceinline__ void issue_score_products(float (&s)[kAccRegs], float (&dp)[kAccRegs],
-                                                     const SharedStorage& sm, int item_stage,
-                                                     int key_stage, int warpgroup, bool tiles) {
-  const uint64_t desc_q = wgmma::make_desc_sw128(sm.q[item_stage] + warpgroup * kTileBytes);
-  const uint64_t desc_k = wgmma::make_desc_sw128(tiles ? sm.k_tiles[key_stage] : sm.k[key_stage]);
+                                                     const SharedStorage<kScore>& sm,
+                                                     int item_stage, int key_stage, int warpgroup,
+                                                     bool tiles) {
+  using L = ScoreLayout<kScore>;
+  const uint8_t* k = sm.k[key_stage];
+  if constexpr (L::kKeyTiles)
+    if (tiles) k = sm.k_tiles[key_stage];
   const uint64_t desc_do = wgmma::make_desc_sw128(sm.dout[item_stage] + warpgroup * kTileBytes);
   const uint64_t desc_v = wgmma::make_desc_sw128(sm.v[key_stage]);
   constexpr int kSteps = int(kRowBytes / wgmma::kKBytes);
@@ -276,9 +317,19 @@ __device__ __forceinline__ void issue_score_products(float (&s)[kAccRegs], float
   wgmma::fence_operands(dp);
   wgmma::fence();
 #pragma unroll
-  for (int step = 0; step < kSteps; ++step)
-    wgmma::mma_e4m3<kKeys>(s, wgmma::desc_advance(desc_q, step * wgmma::kKBytes),
-                           wgmma::desc_advance(desc_k, step * wgmma::kKBytes), step > 0);
+  for (int step = 0; step < L::kSteps; ++step) {
+    const int span = step / L::kStepsPerSpan;
+    const uint32_t offset = (step % L::kStepsPerSpan) * wgmma::kKBytes;
+    const uint64_t desc_q = wgmma::desc_advance(
+        wgmma::make_desc_sw128(sm.q[item_stage][warpgroup] + span * kTileBytes), offset);
+    const uint64_t desc_k =
+        wgmma::desc_advance(wgmma::make_desc_sw128(k + span * kKeyTileBytes), offset);
+    if constexpr (kScore == ScoreOperand::kE4m3) {
+      wgmma::mma_e4m3<kKeys>(s, desc_q, desc_k, step > 0);
+    } else {
+      wgmma::mma_bf16<kKeys>(s, desc_q, desc_k, step > 0);
+    }
+  }
 #pragma unroll
   for (int step = 0; step < kSteps; ++step)
     wgmma::mma_e4m3<kKeys>(dp, wgmma::desc_advance(desc_do, step * wgmma::kKBytes),
@@ -315,7 +366,7 @@ __device__ __forceinline__ void add_dq_product(float (&dq)[kAccRegs],
 
 // The fused kernel's gradient_step and store_ds_tile for one (query tile, key block), transposed:
 // on return `a` holds the dQ operand's codes and `unit` the rows' dQ units (add_dq_partial's).
-template <bool kMasked, bool kCausal>
+template <ScoreOperand kScore, bool kMasked, bool kCausal>
 __device__ __forceinline__ void dq_operand(float (&s)[kAccRegs], float (&dp)[kAccRegs],
                                            const KeyFactors& kf, const ThreadRows& rt, bool tiles,
                                            int quad, int n0, int length, uint32_t (&a)[kSlices][4],
@@ -328,7 +379,8 @@ __device__ __forceinline__ void dq_operand(float (&s)[kAccRegs], float (&dp)[kAc
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int i = 4 * g + k, h = key_half(i), c = k & 1;
-      float p = scaled_probability<true>(s[i], c ? score.y : score.x, rt.rf[h], rt.bias[h]);
+      float p = scaled_probability<kScore == ScoreOperand::kE4m3>(s[i], c ? score.y : score.x,
+                                                                  rt.rf[h], rt.bias[h]);
       if constexpr (kMasked) {
         const int key = n0 + 8 * g + 2 * quad + c;
         const bool visible = key < length && rt.row[h] < length && (!kCausal || key <= rt.row[h]);
@@ -358,11 +410,12 @@ __device__ __forceinline__ void end_turn(int warpgroup) {
   named_barrier_arrive(warpgroup == 0 ? Barrier::kTurn1 : Barrier::kTurn0, kTurnThreads);
 }
 
-template <bool kCausal>
-__device__ void consume(const DqParams& p, SharedStorage& sm, int warpgroup) {
+template <ScoreOperand kScore, bool kCausal>
+__device__ void consume(const DqParams& p, SharedStorage<kScore>& sm, int warpgroup) {
+  using L = ScoreLayout<kScore>;
   const int t = int(threadIdx.x % kWarpgroupThreads);
   const int quad = t % kQuadLanes;
-  PipelineState<kItemStages> item_state;
+  PipelineState<L::kItemStages> item_state;
   PipelineState<kKeyStages> key_state;
   if (warpgroup == 1) end_turn(1);  // warpgroup 0 takes the first turn
   for (;;) {
@@ -383,7 +436,7 @@ __device__ void consume(const DqParams& p, SharedStorage& sm, int warpgroup) {
     PipelineState<kKeyStages> previous = key_state;
     for (int kb = 0; kb < item.key_blocks; ++kb) {
       const int n0 = kb * kKeys;
-      const bool tiles = reads_tile_codes<kCausal>(length, tile, kb);
+      const bool tiles = reads_tile_codes<kScore, kCausal>(length, tile, kb);
       float s[kAccRegs], dp[kAccRegs];
       begin_turn(warpgroup);
       if (kb > 0) {
@@ -400,9 +453,9 @@ __device__ void consume(const DqParams& p, SharedStorage& sm, int warpgroup) {
       const bool masked =
           (kCausal && m0 < n0 + kKeys) || n0 + kKeys > length || m0 + kBlockM > length;
       if (masked) {
-        dq_operand<true, kCausal>(s, dp, kf, rt, tiles, quad, n0, length, a, unit);
+        dq_operand<kScore, true, kCausal>(s, dp, kf, rt, tiles, quad, n0, length, a, unit);
       } else {
-        dq_operand<false, kCausal>(s, dp, kf, rt, tiles, quad, n0, length, a, unit);
+        dq_operand<kScore, false, kCausal>(s, dp, kf, rt, tiles, quad, n0, length, a, unit);
       }
       previous = key_state;
       key_state.advance();
@@ -429,10 +482,10 @@ __device__ void consume(const DqParams& p, SharedStorage& sm, int warpgroup) {
   }
 }
 
-template <bool kCausal>
+template <ScoreOperand kScore, bool kCausal>
 __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__ DqParams p) {
   extern __shared__ uint8_t smem_raw[];
-  SharedStorage& sm = wgmma::sw128_aligned_storage<SharedStorage>(smem_raw);
+  auto& sm = wgmma::sw128_aligned_storage<SharedStorage<kScore>>(smem_raw);
   if (threadIdx.x == 0) {
     sm.q_pipe.init(kItemArrivals, kConsumerWarps);
     sm.kv_pipe.init(kKeyBlockArrivals, kConsumerWarps);
@@ -441,19 +494,20 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const __grid_constant__
   const uint32_t warpgroup = warpgroup_index();
   if (warpgroup == uint32_t(Warpgroup::kProducer)) {
     setmaxnreg_dec<kProducerRegs>();
-    if (warp_index() == 0) produce<kCausal>(p, sm);
+    if (warp_index() == 0) produce<kScore, kCausal>(p, sm);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
-    consume<kCausal>(p, sm, int(warpgroup - uint32_t(Warpgroup::kFirstConsumer)));
+    consume<kScore, kCausal>(p, sm, int(warpgroup - uint32_t(Warpgroup::kFirstConsumer)));
   }
 }
 
-template <bool kCausal>
+template <ScoreOperand kScore, bool kCausal>
 void launch_dq_pass_impl(const DqParams& p, int ctas, cudaStream_t stream) {
-  const auto kernel = dq_kernel<kCausal>;
+  const auto kernel = dq_kernel<kScore, kCausal>;
+  constexpr int kBytes = int(kSmemBytes<kScore>);
   FLAMIA_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmemBytes)));
-  kernel<<<ctas, kThreads, kSmemBytes, stream>>>(p);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  kernel<<<ctas, kThreads, kBytes, stream>>>(p);
   FLAMIA_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,4 +1,5 @@
-// The split backward's dQ pass (dq_kernel.cuh): mxfp8's deterministic mode. The main kernel runs
+// The split backward's dQ pass (dq_kernel.cuh): the deterministic mode of both recipes (not with
+// Hadamard rotation, not the statistics build). The main kernel runs
 // without dQ (DqAddition::kNone); this query-stationary kernel recomputes S and dP per (query
 // block, key block), forms the dQ operand exactly as the fused kernel does and keeps dQ in
 // registers, summed over the key blocks in ascending order: the ordered mode's additions, so its
@@ -27,10 +28,10 @@ static_assert(sizeof(DqWorkItem) == 16, "one 16-byte vector load per item");
 std::vector<DqWorkItem> dq_work_list(const PackedLayout& layout, bool causal);
 
 struct DqParams {
-  CUtensorMap map_q;        // Q codes [T][Hq][D]; kBlockM rows
+  CUtensorMap map_q;        // Q codes (mxfp8) or BF16 Q (mxfp8-qk16) [T][Hq][D]; kBlockM rows
   CUtensorMap map_dout;     // dO codes, likewise
-  CUtensorMap map_k;        // K codes [T][Hkv][D]; kBlockN rows
-  CUtensorMap map_k_tiles;  // K's codes_tiles, the same boxes
+  CUtensorMap map_k;        // K codes or BF16 K [T][Hkv][D]; kBlockN rows
+  CUtensorMap map_k_tiles;  // K's codes_tiles, the same boxes (mxfp8)
   CUtensorMap map_v;        // V codes
   CUtensorMap map_kt;       // K codes_t [Hkv * D][Tt]: boxes of kBlockN positions x D
   const DqWorkItem* items = nullptr;
@@ -52,7 +53,8 @@ struct DqParams {
   float scale = 0.0f;       // softmax scale (dQ's final factor)
 };
 
-template <bool kCausal>
+// Instantiated per recipe (bwd_dq_mxfp8.cu, bwd_dq_qk16.cu).
+template <ScoreOperand kScore, bool kCausal>
 void launch_dq_pass(const DqParams& p, int ctas, cudaStream_t stream);
 
 }  // namespace flamia::sm90::bwd::dqpass
