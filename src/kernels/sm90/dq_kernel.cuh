@@ -449,6 +449,9 @@ __device__ void consume(const DqParams& p, SharedStorage<kScore>& sm, int warpgr
       end_turn(warpgroup);
       wgmma::wait_all(s);
       wgmma::fence_operands(dp);
+      // The item's Q and dO are read for the last time: the producer may load the next item's
+      // while this block's gradient runs (with mxfp8-qk16's one stage, the next item waits here).
+      if (kb + 1 == item.key_blocks) sm.q_pipe.warp_release(item_state);
       const KeyFactors& kf = sm.keys[key_state.index];
       const bool masked =
           (kCausal && m0 < n0 + kKeys) || n0 + kKeys > length || m0 + kBlockM > length;
@@ -460,7 +463,6 @@ __device__ void consume(const DqParams& p, SharedStorage<kScore>& sm, int warpgr
       previous = key_state;
       key_state.advance();
     }
-    sm.q_pipe.warp_release(item_state);
     item_state.advance();
     begin_turn(warpgroup);
     add_dq_product(dq, a, sm.kt[previous.index], unit);

@@ -20,7 +20,7 @@ struct alignas(16) DqWorkItem {
   int32_t doc;
   int32_t query_block;  // document-relative
   int32_t head;         // query head
-  int32_t key_blocks;   // the sort key
+  int32_t key_blocks;   // the sort key; at least 1
 };
 static_assert(sizeof(DqWorkItem) == 16, "one 16-byte vector load per item");
 
