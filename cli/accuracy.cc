@@ -151,10 +151,10 @@ std::vector<Table> accuracy_tables(const Problem& problem, const AccuracyRun& ru
         "[cuda]: the GPU training call, forward then backward (time: upload, quantize, "
         "attention, statistics, download; the first also starts CUDA). [emulator]: the CPU "
         "emulator with the kernels' tiles.");
-    if (problem.forward.block_m != forward_tiles.block_m ||
-        problem.forward.block_n != forward_tiles.block_n ||
-        problem.backward.block_m != backward_tiles.block_m ||
-        problem.backward.block_n != backward_tiles.block_n)
+    if (problem.tiles_given && (problem.forward.block_m != forward_tiles.block_m ||
+                                problem.forward.block_n != forward_tiles.block_n ||
+                                problem.backward.block_m != backward_tiles.block_m ||
+                                problem.backward.block_n != backward_tiles.block_n))
       acc.notes.push_back(
           "--fwd-tile/--bwd-tile ignored: the emulator uses the kernels' tiles "
           "to match them");

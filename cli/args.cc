@@ -30,6 +30,7 @@ Args::Args(std::string command, std::string summary, std::vector<OptionSpec> spe
       has_value = true;
     }
     const OptionSpec& s = spec(name);
+    given_.insert(name);
     if (s.is_flag) {
       if (has_value) throw Error("--" + name + " is a flag and takes no value");
       values_[name] = "1";
@@ -65,6 +66,11 @@ std::string Args::usage() const {
 bool Args::flag(const std::string& name) const {
   spec(name);
   return values_.count(name) != 0;
+}
+
+bool Args::given(const std::string& name) const {
+  spec(name);
+  return given_.count(name) != 0;
 }
 
 std::string Args::str(const std::string& name) const {

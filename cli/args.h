@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,8 @@ class Args {
   std::string usage() const;
 
   bool flag(const std::string& name) const;
+  // Whether the command line set the option (a default does not count).
+  bool given(const std::string& name) const;
   std::string str(const std::string& name) const;
   int64_t integer(const std::string& name) const;
   double real(const std::string& name) const;
@@ -40,6 +43,7 @@ class Args {
   std::string command_, summary_;
   std::vector<OptionSpec> specs_;
   std::map<std::string, std::string> values_;
+  std::set<std::string> given_;
   std::vector<std::string> positional_;
   bool help_ = false;
 };

@@ -83,6 +83,7 @@ Problem parse_problem(const Args& a) {
   if (p.attention.softmax_scale < 0) throw Error("--softmax-scale must be >= 0");
   p.forward = parse_tile(a.str("fwd-tile"), "fwd-tile");
   p.backward = parse_tile(a.str("bwd-tile"), "bwd-tile");
+  p.tiles_given = a.given("fwd-tile") || a.given("bwd-tile");
   p.backend = a.str("backend");
   if (p.backend == "auto") p.backend = query_device().available ? "cuda" : "cpu";
   if (p.backend != "cpu" && p.backend != "cuda")

@@ -17,6 +17,7 @@ struct Problem {
   InputSpec inputs;
   AttentionConfig attention;
   TileShape forward, backward;
+  bool tiles_given = false;  // --fwd-tile or --bwd-tile on the command line
   std::string backend;
 };
 
