@@ -219,7 +219,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   pre.dq_clear = b.dq_clear();
   sm90::bwd::launch_preprocess(pre, stream);
 
-  sm90::bwd::Params p;
+  sm90::bwd::Params p{};  // zeroed: the maps a recipe does not use (K's tile codes for qk16)
   if (qk16) {
     p.map_q = bf16_map(in.q, pl.tokens, pl.heads_q, kBlockM);
     p.map_k = bf16_map(in.k, pl.tokens, pl.heads_kv, kBlockN);
@@ -278,7 +278,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
   }
 
   if (b.split) {
-    sm90::bwd::dqpass::DqParams d;
+    sm90::bwd::dqpass::DqParams d{};
     d.map_q = p.map_q;
     d.map_dout = p.map_dout;
     d.map_k = p.map_k;

@@ -150,10 +150,11 @@ __device__ void produce(const DqParams& p, SharedStorage<kScore>& sm) {
   using L = ScoreLayout<kScore>;
   const int lane = int(lane_index());
   const bool elected = lane == 0;
-  if (elected)
-    for (const CUtensorMap* map :
-         {&p.map_q, &p.map_dout, &p.map_k, &p.map_k_tiles, &p.map_v, &p.map_kt})
+  if (elected) {
+    for (const CUtensorMap* map : {&p.map_q, &p.map_dout, &p.map_k, &p.map_v, &p.map_kt})
       tma_prefetch_descriptor(map);
+    if constexpr (L::kKeyTiles) tma_prefetch_descriptor(&p.map_k_tiles);  // set for mxfp8 only
+  }
   PipelineState<L::kItemStages> item_state;
   PipelineState<kKeyStages> key_state;
   for (;;) {
