@@ -58,7 +58,7 @@ struct BwdCase {
   ScalePolicy policy = ScalePolicy::kToken;
   InputKind inputs = InputKind::kNormal;
   uint64_t seed = 1;
-  bool deterministic = false;  // the split backward; rotated: ordered dQ
+  bool deterministic = false;  // the split backward
   bool hadamard = false;       // rotated Q and K: dQ and dK rotated back (mxfp8)
   // Every token t with t % zero_every == 3 gets an all-zero Q row, t % zero_every == 5 an
   // all-zero K row (all heads): the quantizer gives them the smallest exponent (2^-127).
@@ -205,8 +205,8 @@ std::vector<BwdCase> cases() {
                4,
                false,
                true});
-  // Every deterministic path (mxfp8 causal also in the tests below): the split backward of both
-  // recipes (its dK/dV pass and dQ pass), and the rotation with the ordered dQ additions.
+  // Every deterministic path (mxfp8 causal also in the tests below): the split backward (its dK/dV
+  // pass and dQ pass) of both recipes, rotated or not.
   for (int i : {1, 5, 6, 7, 8}) v.push_back(deterministic_case(v[size_t(i)]));
   // All-zero query and key tokens: a query's gradient and its share of dV must not vanish with
   // its scale (its P and dS do not depend on it).
@@ -393,9 +393,9 @@ TEST(GpuAttentionBwdBuffers, DeterministicDqIsReproducibleAndPrefixIsolated) {
 // The statistics build (GpuAttentionOptions::diagnostics: `flamia accuracy`'s counters) is its own
 // instantiation of the main kernel, and the fast kernels carry none of its code: in deterministic
 // mode both give the same dQ, dK and dV bit for bit, so the statistics describe the gradients the
-// fast path returns. Unrotated, the fast path is the split backward, whose dQ pass must reproduce
-// the fused kernel's ordered dQ exactly. Odd documents at unaligned offsets, GQA, both recipes,
-// causal or not, rotated or not.
+// fast path returns. The fast path is the split backward, whose dQ pass must reproduce the fused
+// kernel's ordered dQ exactly (and, rotated, the postprocess's rotation back). Odd documents at
+// unaligned offsets, GQA, both recipes, causal or not, rotated or not.
 TEST(GpuAttentionBwdBuffers, FastKernelsMatchTheStatisticsBuildBitwise) {
   FLAMIA_REQUIRE_GPU();
   std::vector<BwdCase> cases = {
@@ -404,9 +404,11 @@ TEST(GpuAttentionBwdBuffers, FastKernelsMatchTheStatisticsBuildBitwise) {
       BwdCase{"qk16", kOddDocs, 4, 2, true, Recipe::kMxfp8Qk16},
       BwdCase{"qk16-noncausal", kOddDocs, 4, 4, false, Recipe::kMxfp8Qk16},
   };
-  cases.push_back(cases[0]);
-  cases.back().name = "mxfp8-rotated";
-  cases.back().hadamard = true;
+  for (int i : {0, 1}) {
+    cases.push_back(cases[size_t(i)]);
+    cases.back().name += "-rotated";
+    cases.back().hadamard = true;
+  }
   for (BwdCase& c : cases) {
     SCOPED_TRACE(c.name);
     c.deterministic = true;

@@ -87,15 +87,19 @@ static_assert(kGpuBackwardTiles.block_m == kBlockM && kGpuBackwardTiles.block_n 
 template <ScoreOperand kScore, bool kCausal>
 void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool split, cudaStream_t stream) {
   using namespace sm90::bwd;
-  if (split) {
+  if (split && p.dk_rotated != nullptr) {
+    if constexpr (kScore == ScoreOperand::kE4m3) {
+      launch_backward_rotated<kCausal, DqAddition::kNone>(p, ctas, stream);
+    } else {
+      reject("Hadamard rotation is built for mxfp8 only");
+    }
+  } else if (split) {
     launch_backward<kScore, kCausal, DqAddition::kNone>(p, ctas, stream);
   } else if (p.diagnostics != nullptr) {
     launch_backward_diagnostics<kScore, kCausal>(p, ctas, stream);
   } else if (p.dk_rotated != nullptr) {
     if constexpr (kScore == ScoreOperand::kE4m3) {
-      (p.dq_turns != nullptr
-           ? launch_backward_rotated<kCausal, DqAddition::kOrdered>
-           : launch_backward_rotated<kCausal, DqAddition::kBulk>)(p, ctas, stream);
+      launch_backward_rotated<kCausal, DqAddition::kBulk>(p, ctas, stream);
     } else {
       reject("Hadamard rotation is built for mxfp8 only");
     }
@@ -171,9 +175,8 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     const int64_t rows = pl.tokens * pl.heads_q;
     b->delta = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
     // The deterministic mode: the split backward, whose dQ pass sums dQ in registers in the
-    // ordered mode's order (dq_params.h). With Hadamard rotation (dQ rotated back by the
-    // postprocess) or the statistics build it keeps the ordered dQ additions.
-    b->split = m.options.deterministic && !m.options.hadamard && !m.options.diagnostics;
+    // ordered mode's order (dq_params.h). The statistics build keeps the ordered dQ additions.
+    b->split = m.options.deterministic && !m.options.diagnostics;
     b->dq_slots = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
     const size_t slots = size_t(b->dq_slots) * pl.heads_q;
     // The kernel indexes the slots with 32 bits (StepItem::dq_slot0).
@@ -301,6 +304,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     d.group = p.group;
     d.scale_log2 = p.scale_log2;
     d.scale = p.scale;
+    d.rotate = m.options.hadamard;
     d.dq = grads.dq.data;
     d.dq_stride_token = grads.dq.stride_token;
     d.dq_stride_head = grads.dq.stride_head;
@@ -314,21 +318,20 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
                                          : launch_dq_pass<ScoreOperand::kE4m3, false>);
       launch(d, std::min(d.num_items, multiprocessors()), stream);
     }
-    return;
+  } else {
+    sm90::bwd::PostprocessParams post;
+    post.dq_accum = b.dq_accum.get<float>();
+    post.dq_slots = b.dq_slots;
+    post.cu_seqlens = in.cu_seqlens;
+    post.num_docs = pl.num_docs;
+    post.dq = bf16_rows(grads.dq);
+    post.tokens = pl.tokens;
+    post.heads_q = pl.heads_q;
+    post.scale = p.scale;
+    post.rotate = m.options.hadamard;
+    post.dq_zeroed = b.dq_zeroed.get<int>();
+    sm90::bwd::launch_postprocess(post, stream);
   }
-
-  sm90::bwd::PostprocessParams post;
-  post.dq_accum = b.dq_accum.get<float>();
-  post.dq_slots = b.dq_slots;
-  post.cu_seqlens = in.cu_seqlens;
-  post.num_docs = pl.num_docs;
-  post.dq = bf16_rows(grads.dq);
-  post.tokens = pl.tokens;
-  post.heads_q = pl.heads_q;
-  post.scale = p.scale;
-  post.rotate = m.options.hadamard;
-  post.dq_zeroed = b.dq_zeroed.get<int>();
-  sm90::bwd::launch_postprocess(post, stream);
   if (m.options.hadamard) {
     sm90::bwd::RotateDkParams rot;
     rot.dk_rotated = p.dk_rotated;

@@ -148,11 +148,11 @@ struct Params {
 };
 
 // How the main kernel adds a step's dQ partial to the FP32 accumulator (epilogue_bwd.cuh): by bulk
-// reductions in any order, or from the registers in key-block order (Params::dq_turns, the
-// deterministic mode with Hadamard rotation); the statistics build reads which from
-// Params::dq_turns. kNone: no dQ at all, the split backward's dK/dV pass (the deterministic mode
-// otherwise; dQ comes from the query-stationary pass of dq_kernel.cuh).
-enum class DqAddition { kBulk, kOrdered, kByParams, kNone };
+// reductions in any order (kBulk), or, in the statistics build, as Params::dq_turns says: from the
+// registers in key-block order where it is set (deterministic). kNone: no dQ at all, the split
+// backward's dK/dV pass (the deterministic mode; dQ comes from the query-stationary pass of
+// dq_kernel.cuh).
+enum class DqAddition { kBulk, kByParams, kNone };
 
 // Launches the persistent main kernel (bwd_mxfp8.cu, bwd_mxfp8_split.cu, bwd_qk16.cu,
 // bwd_qk16_split.cu) with `ctas` CTAs; with Params::diagnostics set, its statistics build
@@ -161,7 +161,7 @@ template <ScoreOperand kScore, bool kCausal, DqAddition kDq>
 void launch_backward(const Params& p, int ctas, cudaStream_t stream);
 template <ScoreOperand kScore, bool kCausal>
 void launch_backward_diagnostics(const Params& p, int ctas, cudaStream_t stream);
-// With Params::dk_rotated (mxfp8 only; bwd_mxfp8_rotated.cu, bwd_mxfp8_rotated_ordered.cu).
+// With Params::dk_rotated (mxfp8 only; bwd_mxfp8_rotated.cu, bwd_mxfp8_rotated_split.cu).
 template <bool kCausal, DqAddition kDq>
 void launch_backward_rotated(const Params& p, int ctas, cudaStream_t stream);
 

@@ -29,6 +29,7 @@
 #include "flamia/emulator.h"
 #include "flamia/row_terms.h"
 #include "fp8_convert.cuh"
+#include "hadamard_lanes.cuh"
 #include "mbarrier.cuh"
 #include "named_barrier.cuh"
 #include "setmaxnreg.cuh"
@@ -404,6 +405,37 @@ __device__ __forceinline__ void dq_operand(float (&s)[kAccRegs], float (&dp)[kAc
   pack_a_fragments<kSlices>(s, a);
 }
 
+// A thread's two rows of dQ back to the inputs' frame (Hadamard-rotated Q and K): the
+// postprocess's rotate_row in the accumulator layout, where column 8 g + 2 quad + c of a row is
+// register 4 g + 2 h + c. hadamard_rotate's stages in its order, each the same correctly rounded
+// a + b and a - b: span 1 (c) in the thread, spans 2 and 4 (quad) across the quad's lanes, spans
+// 8 to 64 (g) in the thread again; then its one multiply. So dQ comes out as the ordered path's.
+// Every lane of the warp takes part (the shuffles).
+__device__ __forceinline__ void rotate_rows_back(float (&dq)[kAccRegs], int quad) {
+  constexpr int kGroupRegs = 4;  // registers of an 8-column group
+  constexpr int kPairSpan = 1, kQuadSpans = 2;
+#pragma unroll
+  for (int i = 0; i < kAccRegs; i += 2 * kPairSpan) hadamard_pair(dq[i], dq[i + kPairSpan]);
+#pragma unroll
+  for (int b = 0; b < kQuadSpans; ++b) {
+    const uint32_t lane_bit = 1u << b;  // quad position bit b: column bit b + 1
+    const bool upper = quad & int(lane_bit);
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) dq[i] = hadamard_across_lanes(dq[i], lane_bit, upper);
+  }
+#pragma unroll
+  for (int span = 1; span < kColGroups; span *= 2)  // in groups: columns 8 span apart
+#pragma unroll
+    for (int g = 0; g < kColGroups; ++g)
+      if ((g & span) == 0)
+#pragma unroll
+        for (int k = 0; k < kGroupRegs; ++k)
+          hadamard_pair(dq[kGroupRegs * g + k], dq[kGroupRegs * (g + span) + k]);
+  const float scale = hadamard_scale<float>(kHeadDim);
+#pragma unroll
+  for (int i = 0; i < kAccRegs; ++i) dq[i] = __fmul_rn(dq[i], scale);
+}
+
 __device__ __forceinline__ void begin_turn(int warpgroup) {
   named_barrier_sync(warpgroup == 0 ? Barrier::kTurn0 : Barrier::kTurn1, kTurnThreads);
 }
@@ -469,7 +501,11 @@ __device__ void consume(const DqParams& p, SharedStorage<kScore>& sm, int warpgr
     add_dq_product(dq, a, sm.kt[previous.index], unit);
     sm.kv_pipe.warp_release(previous);
     end_turn(warpgroup);
-    // dQ = dq * scale to BF16, as the postprocess rounds it; pairs of columns per row.
+    // dQ = dq * scale (rotated back with Hadamard-rotated Q and K) to BF16, as the postprocess
+    // rounds it; pairs of columns per row.
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) dq[i] *= p.scale;
+    if (p.rotate) rotate_rows_back(dq, quad);
 #pragma unroll
     for (int h = 0; h < kRowHalves; ++h) {
       if (rt.row[h] >= length) continue;
@@ -478,8 +514,7 @@ __device__ void consume(const DqParams& p, SharedStorage<kScore>& sm, int warpgr
 #pragma unroll
       for (int g = 0; g < kColGroups; ++g) {
         const int i = 4 * g + 2 * h;
-        *reinterpret_cast<uint32_t*>(out + wgmma::acc_col(t, i)) =
-            bf16x2_bits(dq[i] * p.scale, dq[i + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(out + wgmma::acc_col(t, i)) = bf16x2_bits(dq[i], dq[i + 1]);
       }
     }
   }

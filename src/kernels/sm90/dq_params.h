@@ -1,5 +1,5 @@
-// The split backward's dQ pass (dq_kernel.cuh): the deterministic mode of both recipes (not with
-// Hadamard rotation, not the statistics build). The main kernel runs
+// The split backward's dQ pass (dq_kernel.cuh): the deterministic mode (not the statistics
+// build). The main kernel runs
 // without dQ (DqAddition::kNone); this query-stationary kernel recomputes S and dP per (query
 // block, key block), forms the dQ operand exactly as the fused kernel does and keeps dQ in
 // registers, summed over the key blocks in ascending order: the ordered mode's additions, so its
@@ -51,6 +51,7 @@ struct DqParams {
   int group = 1;
   float scale_log2 = 0.0f;  // softmax scale * log2(e)
   float scale = 0.0f;       // softmax scale (dQ's final factor)
+  bool rotate = false;      // Hadamard-rotated Q and K (mxfp8): dQ rotated back
 };
 
 // Instantiated per recipe (bwd_dq_mxfp8.cu, bwd_dq_qk16.cu).

@@ -81,11 +81,12 @@ __device__ __forceinline__ void flush_dq_partial(PendingDq& pending) {
 // 2^(C - 8) as well, in that order: 2^(er - e_q) stays in float's range), added to the
 // accumulator's slot in fragment order. Unordered: staged in shared memory and added by bulk
 // reductions, each warp its contiguous part (flush_dq_partial, at the next step's start). Ordered
-// mode: after the additions of key blocks 0..n-1 (2n turns, one per warpgroup), every thread adds
-// its float4 groups from the registers (a warp's group is 512 contiguous bytes), then the turn is
-// counted. Measured (docs/PERF.md, sessions 5 and 6): here the register path is 3 to 23 % faster,
-// because a bulk reduction had to complete before the turn; unordered it is 8 % slower. Each fast
-// kernel carries one path (DqAddition): with both, unordered lost 1.3 %.
+// (the statistics build's deterministic mode, whose dQ the split backward's dQ pass reproduces bit
+// for bit): after the additions of key blocks 0..n-1 (2n turns, one per warpgroup), every thread
+// adds its float4 groups from the registers (a warp's group is 512 contiguous bytes), then the turn
+// is counted. Measured (docs/PERF.md, sessions 5 and 6): here the register path is 3 to 23 %
+// faster, because a bulk reduction had to complete before the turn; unordered it is 8 % slower.
+// The fast kernels carry the bulk path alone (DqAddition): with both, unordered lost 1.3 %.
 template <DqAddition kDq, typename Barrier>
 __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq)[kTileRegs],
                                                const int* row_max,
@@ -99,8 +100,7 @@ __device__ __forceinline__ void add_dq_partial(const Params& p, const float (&dq
     unit[r] = dq_row_unit(uint32_t(row_max[wgmma::acc_row(t, 2 * r)]), q_inverse[r], step_unit);
   const int64_t slot_index = int64_t(item.dq_slot0) + q_tile;
   float* half = p.dq_accum + slot_index * kDqSlotFloats + warpgroup * kDqHalfFloats;
-  const bool ordered =
-      kDq == DqAddition::kByParams ? p.dq_turns != nullptr : kDq == DqAddition::kOrdered;
+  const bool ordered = kDq == DqAddition::kByParams && p.dq_turns != nullptr;
   if (!ordered) {
 #pragma unroll
     for (int i = 0; i < kTileRegs; i += 4)
