@@ -592,11 +592,11 @@ class Runner {
     f.bwd_ms = stage("backward kernels (quantized Q K V dO, O, LSE)", bf,
                      [&](int set) { x.backward_quantized(attention, set, stream_); });
     if (opt_.deterministic) {
-      GpuAttention ordered(x.layout(),
-                           gpu_options(r.w, f.recipe, opt_.hadamard, /*deterministic=*/true));
-      x.backward_quantized(ordered, 0, stream_);  // allocates its workspaces, untimed
+      GpuAttention deterministic(x.layout(),
+                                 gpu_options(r.w, f.recipe, opt_.hadamard, /*deterministic=*/true));
+      x.backward_quantized(deterministic, 0, stream_);  // allocates its workspaces, untimed
       stage("deterministic backward kernels (quantized Q K V dO, O, LSE)", bf,
-            [&](int set) { x.backward_quantized(ordered, set, stream_); });
+            [&](int set) { x.backward_quantized(deterministic, set, stream_); });
     }
     f.call_ms = stage("training call from BF16 (quantizers included)", ff + bf, [&](int set) {
       x.forward_bf16(attention, set, stream_);

@@ -30,7 +30,7 @@ struct GpuVariant {
   Recipe recipe = Recipe::kMxfp8;
   ScalePolicy policy = ScalePolicy::kToken;
   bool hadamard = false;
-  bool deterministic = false;  // the backward's ordered dQ reduction (bitwise reproducible)
+  bool deterministic = false;  // the backward's dQ summed in key-block order (bitwise reproducible)
 };
 
 // Throws Error unless the backend can run `variants`: "cpu" always; "cuda" when flamia was built

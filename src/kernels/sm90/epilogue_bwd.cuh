@@ -1,6 +1,6 @@
 // The backward's outputs: dQ partials added to the FP32 accumulator in global memory by bulk
-// reductions (unordered, or in key-block order for the deterministic mode), and dK, dV of a work
-// item's keys stored once as BF16, only for keys inside the document.
+// reductions (unordered, or in key-block order for the statistics build's deterministic mode), and
+// dK, dV of a work item's keys stored once as BF16, only for keys inside the document.
 #pragma once
 
 #include "bf16_rows.cuh"
