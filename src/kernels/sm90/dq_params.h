@@ -1,9 +1,9 @@
 // The split backward's dQ pass (dq_kernel.cuh): the deterministic mode (not the statistics
-// build). The main kernel runs
-// without dQ (DqAddition::kNone); this query-stationary kernel recomputes S and dP per (query
-// block, key block), forms the dQ operand exactly as the fused kernel does and keeps dQ in
-// registers, summed over the key blocks in ascending order: the ordered mode's additions, so its
-// dQ is the fused ordered kernel's bit for bit, without an accumulator, turns or postprocess.
+// build). The main kernel runs without dQ (DqAddition::kNone); this query-stationary kernel
+// recomputes S and dP per (query block, key block), forms the dQ operand exactly as the fused
+// kernel does and keeps dQ in registers, summed over the key blocks in ascending order: the ordered
+// mode's additions, so its dQ is the fused ordered kernel's bit for bit, without an accumulator,
+// turns or postprocess.
 #pragma once
 
 #include <vector>
