@@ -61,7 +61,7 @@ static_assert(kKeysPerLane * kProducerThreads == kKeys, "one warp covers a key b
 struct alignas(16) KeyFactors {
   float4 v_fold[kColGroups][kQuadLanes];  // 2^e_v of both keys, then 2^e_k (0 past the document)
   float2 score[kColGroups][kQuadLanes];   // c 2^e_k: S's column factor on K's token codes
-  float tile_score;                       // c 2^(the block's largest e_k): on K's tile codes
+  float tile_score;                       // c 2^(the block's largest e_k), mxfp8's tile codes
 };
 
 // S's operands Q and K: E4M3 codes (mxfp8) or BF16 inputs (mxfp8-qk16), in 128 B swizzle spans
@@ -204,7 +204,7 @@ __device__ void produce(const DqParams& p, SharedStorage<kScore>& sm) {
         ev[u] = n0 + j < length ? v_codes[n0 + j] : 0u;
         tile_code = max(tile_code, ek[u]);
       }
-      tile_code = __reduce_max_sync(0xFFFFFFFFu, tile_code);
+      if constexpr (L::kKeyTiles) tile_code = __reduce_max_sync(0xFFFFFFFFu, tile_code);
       const bool tiles0 = reads_tile_codes<kScore, kCausal>(length, tile_of(item, 0), kb);
       const bool tiles1 = reads_tile_codes<kScore, kCausal>(length, tile_of(item, 1), kb);
       sm.kv_pipe.producer_acquire(key_state);
@@ -224,7 +224,8 @@ __device__ void produce(const DqParams& p, SharedStorage<kScore>& sm) {
             kScore == ScoreOperand::kE4m3 ? k_unit * p.scale_log2 : p.scale_log2;
       }
       if (elected) {
-        kf.tile_score = ue8m0::decode(uint8_t(tile_code)) * p.scale_log2;
+        if constexpr (L::kKeyTiles)
+          kf.tile_score = ue8m0::decode(uint8_t(tile_code)) * p.scale_log2;
         const bool token_codes = !(tiles0 && tiles1), tile_codes = tiles0 || tiles1;
         uint64_t* full = sm.kv_pipe.full_barrier(key_state);
         // V and K's codes_t, and the K codes (or rows) the tiles read.
@@ -318,20 +319,8 @@ __device__ __forceinline__ void issue_score_products(float (&s)[kAccRegs], float
   wgmma::fence_operands(s);
   wgmma::fence_operands(dp);
   wgmma::fence();
-#pragma unroll
-  for (int step = 0; step < L::kSteps; ++step) {
-    const int span = step / L::kStepsPerSpan;
-    const uint32_t offset = (step % L::kStepsPerSpan) * wgmma::kKBytes;
-    const uint64_t desc_q = wgmma::desc_advance(
-        wgmma::make_desc_sw128(sm.q[item_stage][warpgroup] + span * kTileBytes), offset);
-    const uint64_t desc_k =
-        wgmma::desc_advance(wgmma::make_desc_sw128(k + span * kKeyTileBytes), offset);
-    if constexpr (kScore == ScoreOperand::kE4m3) {
-      wgmma::mma_e4m3<kKeys>(s, desc_q, desc_k, step > 0);
-    } else {
-      wgmma::mma_bf16<kKeys>(s, desc_q, desc_k, step > 0);
-    }
-  }
+  fwd::issue_score_steps<kScore, kKeys>(s, sm.q[item_stage][warpgroup], kTileBytes, k,
+                                        kKeyTileBytes);
 #pragma unroll
   for (int step = 0; step < kSteps; ++step)
     wgmma::mma_e4m3<kKeys>(dp, wgmma::desc_advance(desc_do, step * wgmma::kKBytes),

@@ -65,6 +65,30 @@ struct ScoreSpans {
   static constexpr int kSteps = kSpans * kStepsPerSpan;
 };
 
+// A score product over the head dim, acc = A B^T, in ScoreSpans's k steps: A's and B's spans are
+// [rows][128 B] tiles a_span_bytes and b_span_bytes apart. Issued only: the caller fences, commits
+// and waits.
+template <ScoreOperand kScore, int N>
+__device__ __forceinline__ void issue_score_steps(float (&acc)[wgmma::acc_regs(N)],
+                                                  const uint8_t* a, uint32_t a_span_bytes,
+                                                  const uint8_t* b, uint32_t b_span_bytes) {
+  using S = ScoreSpans<kScore>;
+#pragma unroll
+  for (int step = 0; step < S::kSteps; ++step) {
+    const int span = step / S::kStepsPerSpan;
+    const uint32_t offset = (step % S::kStepsPerSpan) * wgmma::kKBytes;
+    const uint64_t desc_a =
+        wgmma::desc_advance(wgmma::make_desc_sw128(a + span * a_span_bytes), offset);
+    const uint64_t desc_b =
+        wgmma::desc_advance(wgmma::make_desc_sw128(b + span * b_span_bytes), offset);
+    if constexpr (kScore == ScoreOperand::kE4m3) {
+      wgmma::mma_e4m3<N>(acc, desc_a, desc_b, step > 0);
+    } else {
+      wgmma::mma_bf16<N>(acc, desc_a, desc_b, step > 0);
+    }
+  }
+}
+
 struct Params {
   CUtensorMap map_q;         // [T][Hq][D]: E4M3 codes or BF16 inputs
   CUtensorMap map_k;         // [T][Hkv][D]

@@ -41,21 +41,8 @@ __device__ __forceinline__ void issue_score_products(float (&s)[kTileRegs], floa
   wgmma::fence_operands(s);
   wgmma::fence_operands(dp);
   wgmma::fence();
-#pragma unroll
-  for (int step = 0; step < L::kSteps; ++step) {
-    const int span = step / L::kStepsPerSpan;
-    const uint32_t offset = (step % L::kStepsPerSpan) * wgmma::kKBytes;
-    const uint64_t desc_k = wgmma::desc_advance(
-        wgmma::make_desc_sw128(sm.k + span * L::kKSpanBytes + warpgroup * L::kWarpgroupKeyBytes),
-        offset);
-    const uint64_t desc_q =
-        wgmma::desc_advance(wgmma::make_desc_sw128(sm.q[stage] + span * L::kQSpanBytes), offset);
-    if constexpr (kScore == ScoreOperand::kE4m3) {
-      wgmma::mma_e4m3<kBlockM>(s, desc_k, desc_q, step > 0);
-    } else {
-      wgmma::mma_bf16<kBlockM>(s, desc_k, desc_q, step > 0);
-    }
-  }
+  fwd::issue_score_steps<kScore, kBlockM>(s, sm.k + warpgroup * L::kWarpgroupKeyBytes,
+                                          L::kKSpanBytes, sm.q[stage], L::kQSpanBytes);
   constexpr int kCodeSteps = int(wgmma::kSw128RowBytes / wgmma::kKBytes);
 #pragma unroll
   for (int step = 0; step < kCodeSteps; ++step) {

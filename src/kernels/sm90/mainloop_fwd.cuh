@@ -69,22 +69,8 @@ __device__ __forceinline__ void issue_score_product(float (&s)[kAccRegs],
   using L = SmemLayout<kScore>;
   wgmma::fence_operands(s);
   wgmma::fence();
-#pragma unroll
-  for (int step = 0; step < L::kSteps; ++step) {
-    const int span = step / L::kStepsPerSpan;
-    const uint32_t offset = (step % L::kStepsPerSpan) * wgmma::kKBytes;
-    const uint64_t desc_q =
-        wgmma::desc_advance(wgmma::make_desc_sw128(sm.q[q_stage] + span * L::kQSpanBytes +
-                                                   warpgroup * L::kWarpgroupQBytes),
-                            offset);
-    const uint64_t desc_k =
-        wgmma::desc_advance(wgmma::make_desc_sw128(sm.k[k_stage] + span * L::kKSpanBytes), offset);
-    if constexpr (kScore == ScoreOperand::kE4m3) {
-      wgmma::mma_e4m3<kBlockN>(s, desc_q, desc_k, step > 0);
-    } else {
-      wgmma::mma_bf16<kBlockN>(s, desc_q, desc_k, step > 0);
-    }
-  }
+  issue_score_steps<kScore, kBlockN>(s, sm.q[q_stage] + warpgroup * L::kWarpgroupQBytes,
+                                     L::kQSpanBytes, sm.k[k_stage], L::kKSpanBytes);
   wgmma::commit();
 }
 

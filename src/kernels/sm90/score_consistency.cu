@@ -120,16 +120,6 @@ __device__ void stage_rows(uint8_t* tile, const OperandRows& src, int64_t doc_be
   }
 }
 
-template <ScoreOperand kScore, int N>
-__device__ __forceinline__ void score_mma(float (&d)[wgmma::acc_regs(N)], uint64_t desc_a,
-                                          uint64_t desc_b, bool accumulate) {
-  if constexpr (kScore == ScoreOperand::kE4m3) {
-    wgmma::mma_e4m3<N>(d, desc_a, desc_b, accumulate);
-  } else {
-    wgmma::mma_bf16<N>(d, desc_a, desc_b, accumulate);
-  }
-}
-
 // The forward's S tile (issue_score_product): A = the 64 queries, B = the 128 keys, one m64n128
 // product per k step, spans in order.
 template <ScoreOperand kScore>
@@ -137,16 +127,7 @@ __device__ void forward_scores(float (&s)[wgmma::acc_regs(kKeys)], const ProbeSt
   using L = ProbeLayout<kScore>;
   wgmma::fence_operands(s);
   wgmma::fence();
-#pragma unroll
-  for (int step = 0; step < L::kSteps; ++step) {
-    const int span = step / L::kStepsPerSpan;
-    const uint32_t offset = (step % L::kStepsPerSpan) * wgmma::kKBytes;
-    const uint64_t desc_q =
-        wgmma::desc_advance(wgmma::make_desc_sw128(sm.q_forward + span * L::kQSpanBytes), offset);
-    const uint64_t desc_k =
-        wgmma::desc_advance(wgmma::make_desc_sw128(sm.k + span * L::kKSpanBytes), offset);
-    score_mma<kScore, kKeys>(s, desc_q, desc_k, step > 0);
-  }
+  fwd::issue_score_steps<kScore, kKeys>(s, sm.q_forward, L::kQSpanBytes, sm.k, L::kKSpanBytes);
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::fence_operands(s);
@@ -160,16 +141,8 @@ __device__ void backward_scores(float (&st)[wgmma::acc_regs(kQueries)],
   using L = ProbeLayout<kScore>;
   wgmma::fence_operands(st);
   wgmma::fence();
-#pragma unroll
-  for (int step = 0; step < L::kSteps; ++step) {
-    const int span = step / L::kStepsPerSpan;
-    const uint32_t offset = (step % L::kStepsPerSpan) * wgmma::kKBytes;
-    const uint64_t desc_k = wgmma::desc_advance(
-        wgmma::make_desc_sw128(sm.k + span * L::kKSpanBytes + half * L::kHalfKeyBytes), offset);
-    const uint64_t desc_q =
-        wgmma::desc_advance(wgmma::make_desc_sw128(sm.q_backward + span * L::kQSpanBytes), offset);
-    score_mma<kScore, kQueries>(st, desc_k, desc_q, step > 0);
-  }
+  fwd::issue_score_steps<kScore, kQueries>(st, sm.k + half * L::kHalfKeyBytes, L::kKSpanBytes,
+                                           sm.q_backward, L::kQSpanBytes);
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::fence_operands(st);
