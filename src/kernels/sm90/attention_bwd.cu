@@ -87,26 +87,20 @@ static_assert(kGpuBackwardTiles.block_m == kBlockM && kGpuBackwardTiles.block_n 
 template <ScoreOperand kScore, bool kCausal>
 void launch_main_kernel(const sm90::bwd::Params& p, int ctas, bool split, cudaStream_t stream) {
   using namespace sm90::bwd;
-  if (split && p.dk_rotated != nullptr) {
-    if constexpr (kScore == ScoreOperand::kE4m3) {
-      launch_backward_rotated<kCausal, DqAddition::kNone>(p, ctas, stream);
-    } else {
-      reject("Hadamard rotation is built for mxfp8 only");
-    }
-  } else if (split) {
-    launch_backward<kScore, kCausal, DqAddition::kNone>(p, ctas, stream);
-  } else if (p.diagnostics != nullptr) {
+  if (p.diagnostics != nullptr) {
     launch_backward_diagnostics<kScore, kCausal>(p, ctas, stream);
-  } else if (p.dk_rotated != nullptr) {
-    if constexpr (kScore == ScoreOperand::kE4m3) {
-      launch_backward_rotated<kCausal, DqAddition::kBulk>(p, ctas, stream);
-    } else {
-      reject("Hadamard rotation is built for mxfp8 only");
-    }
   } else if (p.dq_turns != nullptr) {
     reject("the deterministic mode runs the split backward");
+  } else if (p.dk_rotated != nullptr) {
+    if constexpr (kScore == ScoreOperand::kE4m3) {
+      (split ? launch_backward_rotated<kCausal, DqAddition::kNone>
+             : launch_backward_rotated<kCausal, DqAddition::kBulk>)(p, ctas, stream);
+    } else {
+      reject("Hadamard rotation is built for mxfp8 only");
+    }
   } else {
-    launch_backward<kScore, kCausal, DqAddition::kBulk>(p, ctas, stream);
+    (split ? launch_backward<kScore, kCausal, DqAddition::kNone>
+           : launch_backward<kScore, kCausal, DqAddition::kBulk>)(p, ctas, stream);
   }
 }
 
