@@ -18,6 +18,7 @@
 #include "../src/emulator_internal.h"
 #include "bwd_params.h"
 #include "check.h"
+#include "dq_params.h"
 #include "flamia/packed.h"
 #include "fwd_params.h"
 #include "gpu_test.h"
@@ -507,16 +508,16 @@ TEST(ScheduleOrder, FewestHeadsAGroupThatKeepTheCtasTogether) {
 
 // The backward's work list (host-built, bwd_params.h): every (document, key/value head, key block)
 // exactly once with its count of visited query tiles, and within a document and head the key
-// blocks in ascending order — the deterministic dQ reduction's turns wait only on earlier items,
-// so a persistent kernel that takes items in list order cannot deadlock.
+// blocks in ascending order — the ordered dQ reduction's turns wait only on earlier items, so a
+// persistent kernel that takes items in list order cannot deadlock.
 void check_backward_work_list(const std::vector<int64_t>& lengths, int heads_kv, bool causal,
-                              bool deterministic) {
+                              bool ordered) {
   const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
   const PackedLayout layout{cu.data(), int(lengths.size()), int64_t(cu.back()), heads_kv, heads_kv,
                             128};
   constexpr int kCtas = 5;
   const std::vector<sm90::bwd::WorkItem> items =
-      sm90::bwd::backward_work_list(layout, causal, deterministic, kCtas);
+      sm90::bwd::backward_work_list(layout, causal, ordered, kCtas);
   std::vector<std::vector<int>> last_block(lengths.size(), std::vector<int>(heads_kv, -1));
   size_t expected = 0;
   for (int64_t l : lengths)
@@ -533,20 +534,85 @@ void check_backward_work_list(const std::vector<int64_t>& lengths, int heads_kv,
     EXPECT_EQ(it.key_block, last + 1) << "document " << it.doc << ", head " << it.kv_head;
     last = it.key_block;
   }
-  // The last kTailWaves waves of the CTAs, or all of a deterministic list, longest first.
+  // The last kTailWaves waves of the CTAs, or all of an ordered list, longest first.
   const size_t tail =
-      deterministic ? items.size() : std::min(items.size(), size_t(sm90::bwd::kTailWaves * kCtas));
+      ordered ? items.size() : std::min(items.size(), size_t(sm90::bwd::kTailWaves * kCtas));
   for (size_t i = items.size() - tail + 1; i < items.size(); ++i)
     EXPECT_GE(items[i - 1].query_tiles, items[i].query_tiles) << "item " << i;
 }
 
 TEST(BackwardWorkList, EveryKeyBlockOnceInAscendingOrderPerDocumentAndHead) {
-  for (bool deterministic : {false, true}) {
-    check_backward_work_list({4096, 4096, 4096}, 2, true, deterministic);
-    check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, true, deterministic);
-    check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, false, deterministic);
-    check_backward_work_list({0, 0}, 1, true, deterministic);
+  for (bool ordered : {false, true}) {
+    check_backward_work_list({4096, 4096, 4096}, 2, true, ordered);
+    check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, true, ordered);
+    check_backward_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, false, ordered);
+    check_backward_work_list({0, 0}, 1, true, ordered);
   }
+}
+
+// The split backward's dQ pass list (dq_params.h): every (document, query head, 128-row query
+// block) exactly once with the key blocks it visits (causal: up to the one holding its last row);
+// before the tail, each (document, key/value head) contiguous, documents longest first and a
+// group's items longest first; the last kTailWaves * ctas items longest first.
+void check_dq_work_list(const std::vector<int64_t>& lengths, int heads_q, int heads_kv,
+                        bool causal) {
+  namespace dq = sm90::bwd::dqpass;
+  const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
+  const PackedLayout layout{cu.data(), int(lengths.size()), int64_t(cu.back()), heads_q, heads_kv,
+                            128};
+  constexpr int kCtas = 3;
+  const std::vector<dq::DqWorkItem> items = dq::dq_work_list(layout, causal, kCtas);
+  std::vector<std::vector<std::vector<int>>> seen(lengths.size());
+  size_t expected = 0;
+  for (size_t d = 0; d < lengths.size(); ++d) {
+    const int blocks = int((lengths[d] + dq::kItemRows - 1) / dq::kItemRows);
+    seen[d].assign(size_t(heads_q), std::vector<int>(size_t(blocks), 0));
+    expected += size_t(blocks) * size_t(heads_q);
+  }
+  ASSERT_EQ(items.size(), expected);
+  const int group = heads_q / heads_kv;
+  for (const dq::DqWorkItem& it : items) {
+    ASSERT_GE(it.doc, 0);
+    ASSERT_LT(it.doc, int(lengths.size()));
+    ASSERT_GE(it.head, 0);
+    ASSERT_LT(it.head, heads_q);
+    const int64_t length = lengths[size_t(it.doc)];
+    ASSERT_GE(it.query_block, 0);
+    ASSERT_LT(int64_t(it.query_block) * dq::kItemRows, length);
+    ++seen[size_t(it.doc)][size_t(it.head)][size_t(it.query_block)];
+    const int64_t last_row = std::min<int64_t>(length, (it.query_block + 1) * dq::kItemRows) - 1;
+    const int64_t blocks = (length + sm90::bwd::kBlockN - 1) / sm90::bwd::kBlockN;
+    EXPECT_EQ(it.key_blocks, causal ? last_row / sm90::bwd::kBlockN + 1 : blocks);
+  }
+  for (const auto& doc : seen)
+    for (const auto& head : doc)
+      for (int n : head) EXPECT_EQ(n, 1);
+  const size_t tail = std::min(items.size(), size_t(sm90::bwd::kTailWaves * kCtas));
+  const size_t body = items.size() - tail;
+  std::vector<std::pair<int, int>> closed;  // (document, key/value head) groups already left
+  for (size_t i = 1; i < body; ++i) {
+    const dq::DqWorkItem &a = items[i - 1], &b = items[i];
+    const std::pair<int, int> ga{a.doc, a.head / group}, gb{b.doc, b.head / group};
+    if (ga == gb) {
+      EXPECT_GE(a.key_blocks, b.key_blocks) << "item " << i;
+      continue;
+    }
+    closed.push_back(ga);
+    EXPECT_EQ(std::count(closed.begin(), closed.end(), gb), 0)
+        << "item " << i << " reopens a group";
+    EXPECT_GE(lengths[size_t(a.doc)], lengths[size_t(b.doc)]) << "item " << i;
+  }
+  for (size_t i = body + 1; i < items.size(); ++i)
+    EXPECT_GE(items[i - 1].key_blocks, items[i].key_blocks) << "item " << i;
+}
+
+TEST(BackwardDqPassWorkList, EveryQueryBlockOnceGroupedByDocumentAndKeyValueHead) {
+  check_dq_work_list({4096, 4096, 4096}, 4, 2, true);
+  check_dq_work_list({4096, 4096, 4096}, 4, 4, false);
+  check_dq_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 6, 3, true);
+  check_dq_work_list({5, 0, 1, 31, 33, 127, 129, 300, 1000}, 3, 3, false);
+  check_dq_work_list({100000}, 2, 1, true);
+  check_dq_work_list({0, 0}, 1, 1, true);
 }
 
 // Consumer warpgroup w stages its m64n64 dQ fragment (head-dim columns 64w..) at half w of the

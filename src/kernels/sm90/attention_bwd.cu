@@ -12,8 +12,21 @@
 namespace flamia {
 namespace sm90::bwd {
 
-std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal,
-                                         bool deterministic, int ctas) {
+namespace {
+
+// The last kTailWaves * ctas items of `items`, longest first by `length` (stable): the CTAs take
+// the last items one at a time, and the longest of them would otherwise end alone.
+template <typename Item, typename Length>
+void sort_tail(std::vector<Item>& items, int ctas, Length length) {
+  const size_t tail = std::min(items.size(), size_t(kTailWaves) * size_t(std::max(ctas, 1)));
+  std::stable_sort(items.end() - std::ptrdiff_t(tail), items.end(),
+                   [&](const Item& a, const Item& b) { return length(a) > length(b); });
+}
+
+}  // namespace
+
+std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal, bool ordered,
+                                         int ctas) {
   std::vector<WorkItem> items;
   for (int doc = 0; doc < layout.num_docs; ++doc) {
     const int length = int(layout.doc_length(doc));
@@ -23,7 +36,7 @@ std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal
       for (int block = 0; block < blocks; ++block)
         items.push_back({doc, block, head, tiles - first_query_tile(block, causal)});
   }
-  if (deterministic) {
+  if (ordered) {
     // Longest items first: the CTAs running at one time hold the same key blocks of different
     // (document, head) pairs, so none waits for another's ordered dQ turn.
     std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
@@ -42,30 +55,37 @@ std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal
   // Each (document, head) starts with its longest item, so in that order the last group's
   // longest would start among the last few and end alone. The tail, longest first, still holds
   // only a few groups' items; stable, so a group's key blocks stay in ascending order.
-  const size_t tail = std::min(items.size(), size_t(kTailWaves) * size_t(std::max(ctas, 1)));
-  std::stable_sort(
-      items.end() - std::ptrdiff_t(tail), items.end(),
-      [](const WorkItem& a, const WorkItem& b) { return a.query_tiles > b.query_tiles; });
+  sort_tail(items, ctas, [](const WorkItem& w) { return w.query_tiles; });
   return items;
 }
 
 namespace dqpass {
 
-std::vector<DqWorkItem> dq_work_list(const PackedLayout& layout, bool causal) {
+std::vector<DqWorkItem> dq_work_list(const PackedLayout& layout, bool causal, int ctas) {
+  const auto longer = [](const DqWorkItem& a, const DqWorkItem& b) {
+    return a.key_blocks > b.key_blocks;
+  };
   std::vector<DqWorkItem> items;
   for (int doc = 0; doc < layout.num_docs; ++doc) {
     const int length = int(layout.doc_length(doc));
     const int blocks = (length + kBlockN - 1) / kBlockN;
-    for (int head = 0; head < layout.heads_q; ++head)
-      for (int qb = 0; qb * kItemRows < length; ++qb) {
-        // Causal: the key blocks up to the one holding the item's last row.
-        const int last_row = std::min(length - 1, (qb + 1) * kItemRows - 1);
-        items.push_back({doc, qb, head, causal ? last_row / kBlockN + 1 : blocks});
-      }
+    for (int kv_head = 0; kv_head < layout.heads_kv; ++kv_head) {
+      const size_t first = items.size();
+      for (int head = kv_head * layout.group(); head < (kv_head + 1) * layout.group(); ++head)
+        for (int qb = 0; qb * kItemRows < length; ++qb) {
+          // Causal: the key blocks up to the one holding the item's last row.
+          const int last_row = std::min(length - 1, (qb + 1) * kItemRows - 1);
+          items.push_back({doc, qb, head, causal ? last_row / kBlockN + 1 : blocks});
+        }
+      std::stable_sort(items.begin() + std::ptrdiff_t(first), items.end(), longer);
+    }
   }
-  std::stable_sort(items.begin(), items.end(), [](const DqWorkItem& a, const DqWorkItem& b) {
-    return a.key_blocks > b.key_blocks;
+  // Documents longest first; stable, so each (document, key/value head) stays together.
+  const auto doc_length = [&](const DqWorkItem& w) { return layout.doc_length(w.doc); };
+  std::stable_sort(items.begin(), items.end(), [&](const DqWorkItem& a, const DqWorkItem& b) {
+    return doc_length(a) > doc_length(b);
   });
+  sort_tail(items, ctas, [](const DqWorkItem& w) { return w.key_blocks; });
   return items;
 }
 
@@ -159,8 +179,13 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
 
   if (!m.backward) {
     auto b = std::make_unique<BackwardState>();
-    const std::vector<sm90::bwd::WorkItem> items = sm90::bwd::backward_work_list(
-        pl, m.options.attention.causal, m.options.deterministic, multiprocessors());
+    // The deterministic mode: the split backward, whose dQ pass sums dQ in registers in the
+    // ordered mode's order (dq_params.h). The statistics build keeps the ordered dQ additions,
+    // whose turns need the ordered work list.
+    const bool split = m.options.deterministic && !m.options.diagnostics;
+    const bool ordered = m.options.deterministic && !split;
+    const std::vector<sm90::bwd::WorkItem> items =
+        sm90::bwd::backward_work_list(pl, m.options.attention.causal, ordered, multiprocessors());
     if (items.size() > size_t(INT32_MAX)) reject("too many backward work items");
     b->num_items = int(items.size());
     b->ctas = std::min(b->num_items, multiprocessors());
@@ -168,9 +193,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     b->counter = cuda::DeviceBuffer(sizeof(int));
     const int64_t rows = pl.tokens * pl.heads_q;
     b->delta = cuda::DeviceBuffer(size_t(std::max<int64_t>(rows, 1)) * sizeof(float));
-    // The deterministic mode: the split backward, whose dQ pass sums dQ in registers in the
-    // ordered mode's order (dq_params.h). The statistics build keeps the ordered dQ additions.
-    b->split = m.options.deterministic && !m.options.diagnostics;
+    b->split = split;
     b->dq_slots = sm90::bwd::dq_tile_slots(pl.tokens, pl.num_docs);
     const size_t slots = size_t(b->dq_slots) * pl.heads_q;
     // The kernel indexes the slots with 32 bits (StepItem::dq_slot0).
@@ -179,7 +202,7 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
     FLAMIA_CUDA_CHECK(cudaMemsetAsync(b->dq_zeroed.get(), 0, sizeof(int), stream));
     if (b->split) {
       const std::vector<sm90::bwd::dqpass::DqWorkItem> list =
-          sm90::bwd::dqpass::dq_work_list(pl, m.options.attention.causal);
+          sm90::bwd::dqpass::dq_work_list(pl, m.options.attention.causal, multiprocessors());
       if (list.size() > size_t(INT32_MAX)) reject("too many dQ pass work items");
       b->dq_pass_items = int(list.size());
       b->dq_pass_list = cuda::DeviceBuffer::upload(list, stream);

@@ -37,15 +37,16 @@ FLAMIA_HD int32_t first_query_tile(int32_t key_block, bool causal) {
   return causal ? key_block * (kBlockN / kBlockM) : 0;
 }
 
-// Host: the work list of a validated layout for `ctas` persistent CTAs. Default: documents longest
-// first, each document's items in (key/value head, key block) order (L2 locality), but the last
-// kTailWaves * ctas items longest first (the CTAs' finishing times). Deterministic: items longest
+// Host: the work list of a validated layout for `ctas` persistent CTAs. Default (also the split
+// backward's dK/dV pass): documents longest first, each document's items in (key/value head, key
+// block) order (L2 locality), but the last kTailWaves * ctas items longest first (the CTAs'
+// finishing times). Ordered (the statistics build's deterministic dQ additions): items longest
 // first, ties in (document, head, key block) order (no concurrent CTA waits on another's dQ turn).
 // In both a key block comes after the lower ones of its document and head — what the ordered turns
 // rely on to be free of deadlock.
 constexpr int kTailWaves = 4;
-std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal,
-                                         bool deterministic, int ctas);
+std::vector<WorkItem> backward_work_list(const PackedLayout& layout, bool causal, bool ordered,
+                                         int ctas);
 
 // The FP32 dQ accumulator and the deterministic mode's turn counters hold one slot per (query
 // head, query tile of a document); the tiles of document b start at slot (cu_seqlens[b] + b *

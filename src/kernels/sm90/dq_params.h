@@ -24,8 +24,11 @@ struct alignas(16) DqWorkItem {
 };
 static_assert(sizeof(DqWorkItem) == 16, "one 16-byte vector load per item");
 
-// Host: the items of a validated layout, longest first (the CTAs' finishing times).
-std::vector<DqWorkItem> dq_work_list(const PackedLayout& layout, bool causal);
+// Host: the items of a validated layout for `ctas` persistent CTAs: documents longest first, each
+// document's items by key/value head (its query heads together), longest first within the head
+// (the CTAs running at one time then read a few heads' key blocks, which stay in L2), but the last
+// kTailWaves * ctas items longest first (the CTAs' finishing times), as the main kernel's list.
+std::vector<DqWorkItem> dq_work_list(const PackedLayout& layout, bool causal, int ctas);
 
 struct DqParams {
   CUtensorMap map_q;        // Q codes (mxfp8) or BF16 Q (mxfp8-qk16) [T][Hq][D]; kBlockM rows
