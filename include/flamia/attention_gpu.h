@@ -37,7 +37,8 @@ struct GpuAttentionOptions {
   // Backward: dQ summed over the key blocks in ascending order instead of by unordered atomics, so
   // dQ is bitwise reproducible run to run (and a prefix's dQ bitwise independent of its suffix).
   // The backward runs split for it: a dK/dV pass, then a query-stationary dQ pass that keeps dQ in
-  // registers (about 1.1-1.5x the default backward's time).
+  // registers (about 1.05-1.15x the default backward's time; on layouts of short documents less
+  // than the default's, docs/PERF.md item 227).
   bool deterministic = false;
   // Backward: also gather DESIGN §4's statistics (dS zero fractions, row residuals, P^T
   // underflow) for backward_diagnostics(); slower, for `flamia accuracy`.
