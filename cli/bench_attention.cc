@@ -68,7 +68,7 @@ struct FlamiaOutcome {
   std::string reason;    // why the stages stopped; empty when all ran
   double fwd_ms = 0;     // forward from BF16, quantizer included
   double kernel_ms = 0;  // forward kernel on quantized operands
-  double bwd_ms = 0;     // backward on quantized operands (preprocess, main kernel, postprocess)
+  double bwd_ms = 0;     // backward on quantized operands (its kernels, either form)
   double call_ms = 0;    // training call from BF16: forward, then backward, quantizers included
 };
 
@@ -84,9 +84,10 @@ struct Options {
   int reps = 30, warmup = 5;
   double warmup_ms = bench::kSustainedWarmupMs;  // each stage's warm-up lasts at least this long
   bool graphs = true;
-  bool deterministic = false;              // also time the backward with deterministic dQ
-  bool hadamard = false;                   // Q and K Hadamard-rotated (mxfp8 only)
-  bool peer_bf16 = true, peer_fp8 = true;  // cuDNN peers timed (--peers)
+  BackwardForm backward_form = BackwardForm::kAuto;  // the default backward's (--backward)
+  bool deterministic = false;                        // also time the backward with deterministic dQ
+  bool hadamard = false;                             // Q and K Hadamard-rotated (mxfp8 only)
+  bool peer_bf16 = true, peer_fp8 = true;            // cuDNN peers timed (--peers)
   std::vector<Recipe> recipes{Recipe::kMxfp8, Recipe::kMxfp8Qk16};  // flamia recipes timed
 };
 
@@ -106,14 +107,28 @@ PackedLayout packed_layout(const Workload& w, const std::vector<int32_t>& cu_seq
 }
 
 GpuAttentionOptions gpu_options(const Workload& w, Recipe recipe, bool hadamard,
+                                BackwardForm form = BackwardForm::kAuto,
                                 bool deterministic = false) {
   GpuAttentionOptions go;
   go.recipe = recipe;
   go.hadamard = hadamard;
   go.attention.causal = w.causal;
   go.attention.softmax_scale = 1.0 / std::sqrt(double(w.head_dim));
+  go.backward_form = form;
   go.deterministic = deterministic;
   return go;
+}
+
+const char* form_name(BackwardForm form) {
+  switch (form) {
+    case BackwardForm::kFused:
+      return "fused";
+    case BackwardForm::kSplit:
+      return "split";
+    case BackwardForm::kAuto:
+      break;
+  }
+  return "auto";
 }
 
 // Everything one workload allocates: BF16 tensors (inputs in kInputSets sets), E4M3 tensors for
@@ -572,7 +587,9 @@ class Runner {
       add(r, impl, name, "packed", t, flops);
       return t.median_ms;
     };
-    GpuAttention attention(x.layout(), gpu_options(r.w, f.recipe, opt_.hadamard));
+    const GpuAttentionOptions options =
+        gpu_options(r.w, f.recipe, opt_.hadamard, opt_.backward_form);
+    GpuAttention attention(x.layout(), options);
     // One untimed training call: the first calls allocate the owned quantizer buffers and the
     // backward's workspaces (nothing may be allocated while a CUDA graph is captured); the
     // quantizer reports non-finite inputs.
@@ -581,7 +598,9 @@ class Runner {
     x.backward_bf16(attention, 0, stream_);
     attention.quantizer_status().throw_if_any();  // dO
     progress(r.w.name + ": " + impl + ": " + std::to_string(attention.work_items()) +
-             " forward work items on " + std::to_string(attention.ctas()) + " CTAs");
+             " forward work items on " + std::to_string(attention.ctas()) + " CTAs; backward " +
+             (backward_runs_split(x.layout(), options) ? "split" : "fused") + " (--backward " +
+             form_name(opt_.backward_form) + ")");
 
     f.fwd_ms = stage("forward from BF16 (quantize Q K V + attention)", ff,
                      [&](int set) { x.forward_bf16(attention, set, stream_); });
@@ -592,8 +611,9 @@ class Runner {
     f.bwd_ms = stage("backward kernels (quantized Q K V dO, O, LSE)", bf,
                      [&](int set) { x.backward_quantized(attention, set, stream_); });
     if (opt_.deterministic) {
-      GpuAttention deterministic(x.layout(),
-                                 gpu_options(r.w, f.recipe, opt_.hadamard, /*deterministic=*/true));
+      GpuAttention deterministic(
+          x.layout(),
+          gpu_options(r.w, f.recipe, opt_.hadamard, BackwardForm::kAuto, /*deterministic=*/true));
       x.backward_quantized(deterministic, 0, stream_);  // allocates its workspaces, untimed
       stage("deterministic backward kernels (quantized Q K V dO, O, LSE)", bf,
             [&](int set) { x.backward_quantized(deterministic, set, stream_); });
@@ -740,8 +760,9 @@ int bench_attention(int argc, char** argv, int first) {
       "Times the packed causal workloads (65,536 tokens, 16 query heads, head dim 128): "
       "flamia's stages (the fused quantizer; per recipe, the forward from BF16 inputs, "
       "quantizer included; the forward kernel alone on quantized operands; the backward "
-      "(preprocess, main kernel, postprocess) on quantized Q, K, V, dO and the forward's O "
-      "and LSE; and the training call: forward from BF16, then the backward from BF16 dO, "
+      "(fused: preprocess, main kernel, postprocess; split: preprocess, dK/dV pass, dQ pass) on "
+      "quantized Q, K, V, dO and the forward's O and LSE; and the training call: forward from "
+      "BF16, then the backward from BF16 dO, "
       "every quantization included) and, in the same run, cuDNN fused attention in BF16 and "
       "in FP8 with per-tensor scales (fresh: an amax pass in the call; calibrated: scales "
       "known beforehand). CUDA events, warm-up, medians, fresh random inputs rotated over two "
@@ -762,8 +783,13 @@ int bench_attention(int argc, char** argv, int first) {
         "flamia recipes to time (those the kernels implement: mxfp8, mxfp8-qk16), or none"},
        {"peers", "all",
         "cuDNN peers to time in the same run: bf16, fp8 (comma-separated), all, or none"},
+       {"backward", "auto",
+        "the backward's form: fused (one kernel, dQ added by atomics), split (a dK/dV pass, then a "
+        "dQ pass), or auto (split where the documents are short enough for it to be faster)"},
        {"deterministic", "",
-        "also time each recipe's backward with deterministic dQ (summed in key-block order)", true},
+        "also time each recipe's backward with deterministic dQ (summed in key-block order; the "
+        "split form)",
+        true},
        {"hadamard", "",
         "flamia with Q and K Hadamard-rotated (quantizer, kernels, dQ and dK rotated back; mxfp8 "
         "only: pass --recipes mxfp8)",
@@ -785,6 +811,16 @@ int bench_attention(int argc, char** argv, int first) {
   opt.warmup_ms = double(args.integer("warmup-ms"));
   if (opt.warmup_ms < 0) throw Error("--warmup-ms must not be negative");
   opt.graphs = !args.flag("no-graphs");
+  const std::string form = args.str("backward");
+  if (form == "auto") {
+    opt.backward_form = BackwardForm::kAuto;
+  } else if (form == "fused") {
+    opt.backward_form = BackwardForm::kFused;
+  } else if (form == "split") {
+    opt.backward_form = BackwardForm::kSplit;
+  } else {
+    throw Error("--backward must be auto, fused or split, not '" + form + "'");
+  }
   opt.deterministic = args.flag("deterministic");
   opt.hadamard = args.flag("hadamard");
   if (args.str("peers") != "all") {

@@ -28,25 +28,42 @@ constexpr TileShape kGpuForwardTiles{192, 128};
 // The backward's: 64 query rows per step, 128 keys per work item (EmulatorConfig::backward).
 constexpr TileShape kGpuBackwardTiles{64, 128};
 
+// The backward's form. kFused: one main kernel for dK, dV and dQ, whose dQ partials an FP32
+// accumulator sums by unordered atomics (cleared before, converted to BF16 after). kSplit: a dK/dV
+// pass, then a query-stationary dQ pass that keeps dQ in registers and sums it in key-block order
+// (bitwise reproducible, no accumulator). kAuto: the split where it is the faster form — layouts
+// whose query tiles see few key blocks (causal documents of up to about 1K tokens with mxfp8, 512
+// with mxfp8-qk16; backward_runs_split) — and whenever dQ must be deterministic; fused otherwise.
+enum class BackwardForm { kAuto, kFused, kSplit };
+
 struct GpuAttentionOptions {
   Recipe recipe = Recipe::kMxfp8;            // kMxfp8 or kMxfp8Qk16
   ScalePolicy policy = ScalePolicy::kToken;  // any but kVGroup16 (per-channel V cannot be folded)
   // Rotate Q, K along the head dim before quantizing (mxfp8 only); dQ and dK are rotated back.
   bool hadamard = false;
   AttentionConfig attention;
+  BackwardForm backward_form = BackwardForm::kAuto;
   // Backward: dQ summed over the key blocks in ascending order instead of by unordered atomics, so
   // dQ is bitwise reproducible run to run (and a prefix's dQ bitwise independent of its suffix).
-  // The backward runs split for it: a dK/dV pass, then a query-stationary dQ pass that keeps dQ in
-  // registers (about 1.05-1.15x the default backward's time; on layouts of short documents less
-  // than the default's, docs/PERF.md item 227).
+  // The backward runs split for it (BackwardForm::kFused is refused): about 1.05-1.15x the fused
+  // backward's time where kAuto would take the fused kernel (docs/PERF.md items 227, 228).
   bool deterministic = false;
   // Backward: also gather DESIGN §4's statistics (dS zero fractions, row residuals, P^T
-  // underflow) for backward_diagnostics(); slower, for `flamia accuracy`.
+  // underflow) for backward_diagnostics(); slower, for `flamia accuracy`. The statistics build is
+  // a fused kernel of its own, whatever backward_form says (with `deterministic` it adds dQ in
+  // key-block order through turn counters).
   bool diagnostics = false;
 };
 
+// Whether the backward of `layout` under `options` runs split (BackwardForm). kAuto splits when
+// the layout's backward steps (a 64-row query tile against a 128-key block) average at most a
+// recipe's crossover per query tile: there the fused form's fixed costs per query tile (the
+// accumulator's clear and its conversion to BF16) outweigh the split's two extra products a step
+// (the crossovers measured in docs/PERF.md item 228).
+bool backward_runs_split(const PackedLayout& layout, const GpuAttentionOptions& options);
+
 // Throws Error when the GPU kernels do not implement the combination (recipe, policy, rotation,
-// head dim).
+// head dim), or when deterministic dQ is asked of the fused backward (BackwardForm::kFused).
 void check_gpu_support(const PackedLayout& layout, const GpuAttentionOptions& options);
 
 struct DeviceAttentionOutputs {

@@ -80,12 +80,19 @@ std::ostream& operator<<(std::ostream& os, const BwdCase& c) {
   return os << c.name;
 }
 
+// Deterministic: the split backward; otherwise the fused kernel, whatever kAuto would take for the
+// cases' short documents (BackwardRunsSplit tests that choice).
+void set_deterministic(GpuAttentionOptions& o, bool deterministic) {
+  o.deterministic = deterministic;
+  o.backward_form = deterministic ? BackwardForm::kAuto : BackwardForm::kFused;
+}
+
 GpuAttentionOptions gpu_options(const BwdCase& c) {
   GpuAttentionOptions o;
   o.recipe = c.recipe;
   o.policy = c.policy;
   o.attention.causal = c.causal;
-  o.deterministic = c.deterministic;
+  set_deterministic(o, c.deterministic);
   o.hadamard = c.hadamard;
   return o;
 }
@@ -302,7 +309,7 @@ TEST(GpuAttentionBwdBuffers, StridedGradientsLeaveGapsUntouched) {
     for (const int64_t gap : {kWideGap, kPairGap}) {
       SCOPED_TRACE(std::string(rotated ? "rotated, " : "") + "gap " + std::to_string(gap));
       GpuAttentionOptions options = gpu_options(c);
-      options.deterministic = true;
+      set_deterministic(options, true);
       options.hadamard = rotated;
       const AttentionOutputs<float> dense = training_gpu_to_host(b, options);
       TrainingRun r = strided_run(b, gap);
@@ -367,7 +374,7 @@ TEST(GpuAttentionBwdBuffers, DeterministicDqIsReproducibleAndPrefixIsolated) {
   for (const Mode mode : {Mode{true, false}, Mode{true, true}, Mode{false, false}}) {
     const bool deterministic = mode.deterministic;
     GpuAttentionOptions options = gpu_options(c);
-    options.deterministic = deterministic;
+    set_deterministic(options, deterministic);
     options.hadamard = mode.hadamard;
     TrainingRun r = strided_run(b), r2 = strided_run(b), rc = strided_run(changed);
     GpuAttention a1(r.layout, options), a2(r.layout, options), ac(r.layout, options);
@@ -503,6 +510,74 @@ TEST(GpuAttentionBwdBuffers, DkRotationIsHadamardRotateBitwise) {
   }
 }
 
+// BackwardForm: kAuto splits where the layout's backward steps average at most the recipe's
+// crossover per query tile (causal equal documents of L tokens: (L / 128 + 1) / 2; mxfp8 5.5,
+// mxfp8-qk16 3.5), deterministic dQ and kSplit always split, kFused and the statistics build never;
+// deterministic dQ with kFused is refused. Host only.
+TEST(BackwardRunsSplit, ByStepsPerQueryTileAndForm) {
+  auto layout_of = [](std::vector<int32_t>& cu, int64_t length, int docs) {
+    cu.assign(size_t(docs) + 1, 0);
+    for (int d = 1; d <= docs; ++d) cu[size_t(d)] = int32_t(d * length);
+    return PackedLayout{cu.data(), docs, int64_t(docs) * length, 4, 2, kDim};
+  };
+  std::vector<int32_t> cu;
+  GpuAttentionOptions mx, qk;
+  qk.recipe = Recipe::kMxfp8Qk16;
+  for (int64_t length : {128, 256, 512, 1024, 2048, 4096, 65536}) {
+    SCOPED_TRACE("documents of " + std::to_string(length) + " tokens");
+    const PackedLayout layout = layout_of(cu, length, int(65536 / length));
+    EXPECT_EQ(backward_runs_split(layout, mx), length <= 1024);
+    EXPECT_EQ(backward_runs_split(layout, qk), length <= 512);
+    GpuAttentionOptions o = mx;
+    o.backward_form = BackwardForm::kFused;
+    EXPECT_FALSE(backward_runs_split(layout, o));
+    o.backward_form = BackwardForm::kSplit;
+    EXPECT_TRUE(backward_runs_split(layout, o));
+    o.backward_form = BackwardForm::kAuto;
+    o.deterministic = true;
+    EXPECT_TRUE(backward_runs_split(layout, o));
+    o.diagnostics = true;
+    EXPECT_FALSE(backward_runs_split(layout, o));
+  }
+  // Not causal: every query tile sees all of its document's key blocks.
+  GpuAttentionOptions full = mx;
+  full.attention.causal = false;
+  EXPECT_TRUE(backward_runs_split(layout_of(cu, 640, 10), full));   // 5 blocks a tile
+  EXPECT_FALSE(backward_runs_split(layout_of(cu, 768, 10), full));  // 6
+  EXPECT_FALSE(backward_runs_split(layout_of(cu, 0, 2), mx));       // no query tiles
+  GpuAttentionOptions refused = mx;
+  refused.deterministic = true;
+  refused.backward_form = BackwardForm::kFused;
+  const PackedLayout layout = layout_of(cu, 256, 4);
+  test::expect_error([&] { check_gpu_support(layout, refused); }, "deterministic dQ needs");
+  refused.diagnostics = true;  // the statistics build orders dQ itself
+  check_gpu_support(layout, refused);
+}
+
+// On short documents kAuto runs the split backward, whose gradients are the deterministic mode's
+// bit for bit; the fused kernel's dQ (atomics) is not asked to match.
+TEST(GpuAttentionBwdForms, AutoRunsTheSplitOnShortDocuments) {
+  FLAMIA_REQUIRE_GPU();
+  for (Recipe recipe : {Recipe::kMxfp8, Recipe::kMxfp8Qk16}) {
+    BwdCase c{"auto", kOddDocs, 4, 2};
+    c.recipe = recipe;
+    SCOPED_TRACE(to_string(recipe));
+    const AttentionBatch b = make_batch(c);
+    GpuAttentionOptions automatic = gpu_options(c);
+    automatic.backward_form = BackwardForm::kAuto;
+    ASSERT_TRUE(backward_runs_split(b.layout(), automatic));
+    const AttentionOutputs<float> x = training_gpu_to_host(b, automatic);
+    const AttentionOutputs<float> y = training_gpu_to_host(b, gpu_options(deterministic_case(c)));
+    for (const auto& [name, u, v] :
+         {std::tie("dQ", x.dq, y.dq), std::tie("dK", x.dk, y.dk), std::tie("dV", x.dv, y.dv)}) {
+      ASSERT_EQ(u.size(), v.size()) << name;
+      int64_t differ = 0;
+      for (size_t i = 0; i < u.size(); ++i) differ += std::memcmp(&u[i], &v[i], sizeof(float)) != 0;
+      EXPECT_EQ(differ, 0) << name << ": elements differing from the deterministic mode's";
+    }
+  }
+}
+
 // From the second training call on one object, the forward kernel zeroes the backward's dQ
 // accumulator and the preprocess skips its clear (dq_clear.cuh). Deterministic mode: every later
 // call, and a backward run again without a forward (the preprocess clears again), gives the first
@@ -515,7 +590,7 @@ TEST(GpuAttentionBwdBuffers, RepeatedCallsStartFromAClearedDq) {
   for (bool deterministic : {true, false}) {
     SCOPED_TRACE(deterministic ? "deterministic" : "atomic");
     GpuAttentionOptions options = gpu_options(c);
-    options.deterministic = deterministic;
+    set_deterministic(options, deterministic);
     TrainingRun r = strided_run(b);
     GpuAttention attention(r.layout, options);
     FLAMIA_CUDA_CHECK(cudaMemset(r.dq.get(), kPoison, r.dq.bytes()));  // the gaps match below

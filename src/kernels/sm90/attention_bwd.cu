@@ -92,6 +92,33 @@ std::vector<DqWorkItem> dq_work_list(const PackedLayout& layout, bool causal, in
 }  // namespace dqpass
 }  // namespace sm90::bwd
 
+// kAuto's crossovers in backward steps per query tile (docs/PERF.md item 228: 65,536 tokens of
+// equal causal documents, 16 heads, where a document of L tokens has (L / 128 + 1) / 2). mxfp8:
+// the split read 0.78-0.97x the fused backward's time up to 1,024-token documents (4.5) and 1.03x
+// at 2,048 (8.5); mxfp8-qk16: 0.82-0.94x up to 512 (2.5), 1.01x at 1,024.
+constexpr double kSplitStepsPerTileMxfp8 = 5.5;
+constexpr double kSplitStepsPerTileQk16 = 3.5;
+
+bool backward_runs_split(const PackedLayout& layout, const GpuAttentionOptions& options) {
+  if (options.diagnostics) return false;  // the statistics build: fused
+  if (options.deterministic || options.backward_form == BackwardForm::kSplit) return true;
+  if (options.backward_form == BackwardForm::kFused) return false;
+  using sm90::bwd::kBlockM;
+  using sm90::bwd::kBlockN;
+  const bool causal = options.attention.causal;
+  double steps = 0, tiles = 0;  // per query head
+  for (int doc = 0; doc < layout.num_docs; ++doc) {
+    const int64_t length = layout.doc_length(doc);
+    const int64_t doc_tiles = (length + kBlockM - 1) / kBlockM;
+    for (int64_t block = 0; block * kBlockN < length; ++block)
+      steps += double(doc_tiles - sm90::bwd::first_query_tile(int32_t(block), causal));
+    tiles += double(doc_tiles);
+  }
+  const double crossover =
+      options.recipe == Recipe::kMxfp8Qk16 ? kSplitStepsPerTileQk16 : kSplitStepsPerTileMxfp8;
+  return tiles > 0 && steps <= crossover * tiles;
+}
+
 namespace {
 
 using namespace gpu_attention;
@@ -179,11 +206,11 @@ void GpuAttention::backward(const DeviceAttentionInputs& in, const DeviceQuantiz
 
   if (!m.backward) {
     auto b = std::make_unique<BackwardState>();
-    // The deterministic mode: the split backward, whose dQ pass sums dQ in registers in the
-    // ordered mode's order (dq_params.h). The statistics build keeps the ordered dQ additions,
-    // whose turns need the ordered work list.
-    const bool split = m.options.deterministic && !m.options.diagnostics;
-    const bool ordered = m.options.deterministic && !split;
+    // The split backward (BackwardForm): its dQ pass sums dQ in registers in the ordered mode's
+    // order (dq_params.h), so it serves the deterministic mode. The statistics build keeps the
+    // ordered dQ additions for it, whose turns need the ordered work list.
+    const bool split = backward_runs_split(pl, m.options);
+    const bool ordered = m.options.deterministic && m.options.diagnostics;
     const std::vector<sm90::bwd::WorkItem> items =
         sm90::bwd::backward_work_list(pl, m.options.attention.causal, ordered, multiprocessors());
     if (items.size() > size_t(INT32_MAX)) reject("too many backward work items");

@@ -57,6 +57,11 @@ void check_gpu_support(const PackedLayout& layout, const GpuAttentionOptions& op
   if (layout.head_dim != kHeadDim)
     reject("head dim " + std::to_string(layout.head_dim) + " is not built; the kernels use " +
            std::to_string(kHeadDim));
+  if (options.deterministic && !options.diagnostics &&
+      options.backward_form == BackwardForm::kFused)
+    reject(
+        "deterministic dQ needs the split backward: backward_form kFused adds dQ by unordered "
+        "atomics (use kAuto or kSplit)");
 }
 
 GpuAttention::GpuAttention(const PackedLayout& layout, const GpuAttentionOptions& options)
