@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include "args.h"
 #include "commands.h"
@@ -119,16 +120,15 @@ GpuAttentionOptions gpu_options(const Workload& w, Recipe recipe, bool hadamard,
   return go;
 }
 
+// --backward's values.
+constexpr std::pair<const char*, BackwardForm> kBackwardForms[] = {{"auto", BackwardForm::kAuto},
+                                                                   {"fused", BackwardForm::kFused},
+                                                                   {"split", BackwardForm::kSplit}};
+
 const char* form_name(BackwardForm form) {
-  switch (form) {
-    case BackwardForm::kFused:
-      return "fused";
-    case BackwardForm::kSplit:
-      return "split";
-    case BackwardForm::kAuto:
-      break;
-  }
-  return "auto";
+  for (const auto& [name, f] : kBackwardForms)
+    if (f == form) return name;
+  return "?";
 }
 
 // Everything one workload allocates: BF16 tensors (inputs in kInputSets sets), E4M3 tensors for
@@ -812,15 +812,11 @@ int bench_attention(int argc, char** argv, int first) {
   if (opt.warmup_ms < 0) throw Error("--warmup-ms must not be negative");
   opt.graphs = !args.flag("no-graphs");
   const std::string form = args.str("backward");
-  if (form == "auto") {
-    opt.backward_form = BackwardForm::kAuto;
-  } else if (form == "fused") {
-    opt.backward_form = BackwardForm::kFused;
-  } else if (form == "split") {
-    opt.backward_form = BackwardForm::kSplit;
-  } else {
+  const auto* known = std::find_if(std::begin(kBackwardForms), std::end(kBackwardForms),
+                                   [&](const auto& k) { return form == k.first; });
+  if (known == std::end(kBackwardForms))
     throw Error("--backward must be auto, fused or split, not '" + form + "'");
-  }
+  opt.backward_form = known->second;
   opt.deterministic = args.flag("deterministic");
   opt.hadamard = args.flag("hadamard");
   if (args.str("peers") != "all") {

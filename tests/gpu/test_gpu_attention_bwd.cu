@@ -97,6 +97,23 @@ GpuAttentionOptions gpu_options(const BwdCase& c) {
   return o;
 }
 
+// dQ, dK and dV of two runs equal bit for bit (`what`: whose they are, for the message).
+void expect_gradients_bitwise_equal(const AttentionOutputs<float>& x,
+                                    const AttentionOutputs<float>& y, const std::string& what) {
+  struct Pair {
+    const char* name;
+    const std::vector<float>& a;
+    const std::vector<float>& b;
+  };
+  for (const Pair& g : {Pair{"dQ", x.dq, y.dq}, Pair{"dK", x.dk, y.dk}, Pair{"dV", x.dv, y.dv}}) {
+    ASSERT_EQ(g.a.size(), g.b.size()) << g.name;
+    int64_t differ = 0;
+    for (size_t i = 0; i < g.a.size(); ++i)
+      differ += std::memcmp(&g.a[i], &g.b[i], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0) << g.name << ": elements differing " << what;
+  }
+}
+
 // The emulator with the kernels' tiles, on the case's numerics.
 EmulatorConfig emulator_config(const BwdCase& c) {
   EmulatorConfig ec;
@@ -424,18 +441,7 @@ TEST(GpuAttentionBwdBuffers, FastKernelsMatchTheStatisticsBuildBitwise) {
     statistics.diagnostics = true;
     const AttentionOutputs<float> x = training_gpu_to_host(b, fast);
     const AttentionOutputs<float> y = training_gpu_to_host(b, statistics);
-    struct Pair {
-      const char* name;
-      const std::vector<float>& a;
-      const std::vector<float>& b;
-    };
-    for (const Pair& g : {Pair{"dQ", x.dq, y.dq}, Pair{"dK", x.dk, y.dk}, Pair{"dV", x.dv, y.dv}}) {
-      ASSERT_EQ(g.a.size(), g.b.size()) << g.name;
-      int64_t differ = 0;
-      for (size_t i = 0; i < g.a.size(); ++i)
-        differ += std::memcmp(&g.a[i], &g.b[i], sizeof(float)) != 0;
-      EXPECT_EQ(differ, 0) << g.name << ": elements differing between the builds";
-    }
+    expect_gradients_bitwise_equal(x, y, "between the builds");
   }
 }
 
@@ -568,13 +574,7 @@ TEST(GpuAttentionBwdForms, AutoRunsTheSplitOnShortDocuments) {
     ASSERT_TRUE(backward_runs_split(b.layout(), automatic));
     const AttentionOutputs<float> x = training_gpu_to_host(b, automatic);
     const AttentionOutputs<float> y = training_gpu_to_host(b, gpu_options(deterministic_case(c)));
-    for (const auto& [name, u, v] :
-         {std::tie("dQ", x.dq, y.dq), std::tie("dK", x.dk, y.dk), std::tie("dV", x.dv, y.dv)}) {
-      ASSERT_EQ(u.size(), v.size()) << name;
-      int64_t differ = 0;
-      for (size_t i = 0; i < u.size(); ++i) differ += std::memcmp(&u[i], &v[i], sizeof(float)) != 0;
-      EXPECT_EQ(differ, 0) << name << ": elements differing from the deterministic mode's";
-    }
+    expect_gradients_bitwise_equal(x, y, "from the deterministic mode's");
   }
 }
 
