@@ -36,13 +36,6 @@ int cmd_bench(int argc, char** argv, int first) {
     return 2;
   }
 #if defined(FLAMIA_HAVE_CUDA)
-  bool help = false;
-  for (int i = rest; i < argc; ++i)
-    help |= !std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h");
-  if (const DeviceInfo dev = query_device(); !help && !dev.available) {
-    std::cerr << "flamia bench: " << dev.reason << "\n";
-    return 2;
-  }
   if (kind == "attention") return bench_attention(argc, argv, rest);
   if (kind == "gemm") return bench_gemm(argc, argv, rest);
   return bench_quantize(argc, argv, rest);
@@ -52,5 +45,13 @@ int cmd_bench(int argc, char** argv, int first) {
   return 2;
 #endif
 }
+
+#if defined(FLAMIA_HAVE_CUDA)
+DeviceInfo bench_device() {
+  DeviceInfo dev = query_device();
+  if (!dev.available) throw Error("bench needs a GPU: " + dev.reason);
+  return dev;
+}
+#endif
 
 }  // namespace flamia::cli

@@ -804,7 +804,6 @@ int bench_attention(int argc, char** argv, int first) {
     std::cout << args.usage();
     return 0;
   }
-  const DeviceInfo dev = query_device();  // available: cmd_bench checked
   Options opt;
   opt.reps = int(args.integer("reps"));
   opt.warmup = int(args.integer("warmup"));
@@ -873,6 +872,7 @@ int bench_attention(int argc, char** argv, int first) {
                     ": " + bare(e) + " (--recipes none times the peers only)");
       }
     }
+  const DeviceInfo dev = bench_device();
   if (const std::string s = bench::cudnn_status(); !s.empty())
     std::cerr << "flamia bench: cuDNN peers unavailable: " << s << "\n";
   const uint64_t seed = args.str("seed").empty()

@@ -210,7 +210,6 @@ int bench_gemm(int argc, char** argv, int first) {
     std::cout << args.usage();
     return 0;
   }
-  const DeviceInfo dev = query_device();  // available: cmd_bench checked
   const int64_t m = args.integer("m"), n = args.integer("n"), k = args.integer("k");
   const int reps = int(args.integer("reps")), warmup = int(args.integer("warmup"));
   if (reps < kMinReps) throw Error("--reps must be at least " + std::to_string(kMinReps));
@@ -225,6 +224,7 @@ int bench_gemm(int argc, char** argv, int first) {
   sm90::GemmFp8Tuning tuning;
   tuning.raster_group = int(args.integer("raster-group"));
   tuning.max_ctas = int(args.integer("ctas"));
+  const DeviceInfo dev = bench_device();
 
   cudaStream_t stream = nullptr;
   FLAMIA_CUDA_CHECK(cudaStreamCreate(&stream));

@@ -76,7 +76,6 @@ int bench_quantize(int argc, char** argv, int first) {
     std::cout << args.usage();
     return 0;
   }
-  const DeviceInfo dev = query_device();  // available: cmd_bench checked
   const int64_t tokens = args.integer("tokens");
   const int heads_q = int(args.integer("heads"));
   const int heads_kv = args.str("heads-kv").empty() ? heads_q : int(args.integer("heads-kv"));
@@ -113,6 +112,7 @@ int bench_quantize(int argc, char** argv, int first) {
   const std::vector<int32_t> cu = cu_seqlens_from_lengths(lengths);
   PackedLayout layout{cu.data(), int(docs), tokens, heads_q, heads_kv, dim};
   validate(layout);
+  const DeviceInfo dev = bench_device();
   cudaStream_t stream = nullptr;
   FLAMIA_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // In the stream: a non-blocking stream does not wait for the legacy default stream's copies.
